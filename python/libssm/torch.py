@@ -1,0 +1,159 @@
+"""libssm.torch: the selective scan as a differentiable torch function.
+
+The op is registered with torch.library as libssm::selective_scan_fwd and
+libssm::selective_scan_bwd (custom ops with fake implementations and autograd), so it runs
+under torch.compile(fullgraph=True) with no graph break and inside CUDA graphs. Eager calls skip
+the dispatcher (it adds ~10-15 us a call) and call the direct implementation, through an
+autograd.Function when a gradient is wanted; both paths share one gradient formula."""
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _torch_direct
+
+__all__ = ["selective_scan"]
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+@torch.library.custom_op("libssm::selective_scan_fwd", mutates_args=())
+def selective_scan_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                       D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor],
+                       initial_state: Optional[Tensor], delta_softplus: bool,
+                       return_last_state: bool) -> Tuple[Tensor, Tensor]:
+    """(out, last_state); last_state is an empty tensor unless return_last_state."""
+    out, last_state = _torch_direct.fwd(u, delta, A, B, C, D, z, delta_bias, initial_state,
+                                        delta_softplus, return_last_state)
+    if last_state is None:
+        last_state = u.new_empty((0,), dtype=torch.float32)
+    return out, last_state
+
+
+@selective_scan_fwd.register_fake
+def _selective_scan_fwd_fake(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
+                             return_last_state):
+    last_shape = (u.shape[0], u.shape[1], A.shape[1]) if return_last_state else (0,)
+    return u.new_empty(u.shape), u.new_empty(last_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("libssm::selective_scan_bwd", mutates_args=())
+def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, dout: Tensor,
+                       D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor],
+                       initial_state: Optional[Tensor], dlast_state: Optional[Tensor],
+                       delta_softplus: bool, grad_mask: List[bool]
+                       ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                  Tensor]:
+    """(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state); an entry left out by
+    grad_mask, or whose input is None, is an empty tensor and is not computed."""
+    grads = _torch_direct.bwd(u, delta, A, B, C, dout, D, z, delta_bias, initial_state,
+                              dlast_state, delta_softplus, grad_mask)
+    return tuple(u.new_empty((0,)) if g is None else g for g in grads)
+
+
+@selective_scan_bwd.register_fake
+def _selective_scan_bwd_fake(u, delta, A, B, C, dout, D, z, delta_bias, initial_state,
+                             dlast_state, delta_softplus, grad_mask):
+    inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    return tuple(x.new_empty(x.shape) if x is not None and wanted else u.new_empty((0,))
+                 for x, wanted in zip(inputs, grad_mask))
+
+
+def _gradients(saved, dout, dlast_state, needs_input_grad, delta_softplus, run_bwd):
+    """The 9 input gradients (None where not needed), shared by the registered op's autograd
+    and the eager autograd.Function. run_bwd computes them: the custom op, or the direct call."""
+    mask = [bool(need) and x is not None for need, x in zip(needs_input_grad, saved)]
+    if not any(mask):
+        return (None,) * 9
+    u, delta, A, B, C, D, z, delta_bias, initial_state = saved
+    if dout is None:  # only last_state reached the loss
+        dout = torch.zeros_like(u)
+    grads = run_bwd(u, delta, A, B, C, dout, D, z, delta_bias, initial_state, dlast_state,
+                    delta_softplus, mask)
+    return tuple(g if wanted else None for g, wanted in zip(grads, mask))
+
+
+def _setup_context(ctx, inputs, output):
+    *tensors, delta_softplus, return_last_state = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.delta_softplus = delta_softplus
+    ctx.return_last_state = return_last_state
+
+
+def _backward(ctx, dout, dlast_state):
+    grads = _gradients(ctx.saved_tensors, dout, dlast_state if ctx.return_last_state else None,
+                       ctx.needs_input_grad[:9], ctx.delta_softplus,
+                       torch.ops.libssm.selective_scan_bwd)
+    return grads + (None, None)
+
+
+selective_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _SelectiveScanFunction(torch.autograd.Function):
+    """The eager autograd path: same formula as the registered op, direct calls."""
+
+    @staticmethod
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
+                return_last_state):
+        out, last_state = _torch_direct.fwd(u, delta, A, B, C, D, z, delta_bias,
+                                            initial_state, delta_softplus, return_last_state)
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state)
+        ctx.delta_softplus = delta_softplus
+        ctx.set_materialize_grads(False)
+        return (out, last_state) if return_last_state else out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlast_state=None):
+        grads = _gradients(ctx.saved_tensors, dout, dlast_state, ctx.needs_input_grad[:9],
+                           ctx.delta_softplus, _torch_direct.bwd)
+        return grads + (None, None)
+
+
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                   initial_state=None, return_last_state=False):
+    """Selective scan (Mamba-1), differentiable in every tensor input (initial_state too); the
+    gradient of last_state is honoured. Shapes as for libssm.selective_scan: u, delta, z
+    (batch, dim, seqlen); A (dim, dstate) float32; B, C (batch, dstate, seqlen),
+    (batch, groups, dstate, seqlen) or (dim, dstate); D, delta_bias (dim,) float32;
+    initial_state (batch, dim, dstate). Returns out, or (out, last_state) when
+    return_last_state. CUDA work runs on torch's current stream."""
+    delta_softplus, return_last_state = bool(delta_softplus), bool(return_last_state)
+    tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    path = _DISPATCHER if _is_compiling() else _eager_path(tensors)
+    if path is _DIRECT:
+        out, last_state = _torch_direct.fwd(u, delta, A, B, C, D, z, delta_bias, initial_state,
+                                            delta_softplus, return_last_state)
+    elif path is _AUTOGRAD:
+        return _SelectiveScanFunction.apply(u, delta, A, B, C, D, z, delta_bias, initial_state,
+                                            delta_softplus, return_last_state)
+    else:
+        out, last_state = torch.ops.libssm.selective_scan_fwd(
+            u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
+            return_last_state)
+    return (out, last_state) if return_last_state else out
+
+
+_DIRECT, _AUTOGRAD, _DISPATCHER = "direct", "autograd", "dispatcher"
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def _eager_path(tensors):
+    """How an eager call runs: plain tensors in real memory go direct (through the
+    autograd.Function when a gradient is wanted); anything else (fake, meta,
+    functorch-wrapped, other subclasses) goes through the dispatcher, which knows it."""
+    grad = _grad_enabled()
+    wants_grad = False
+    for t in tensors:
+        if t is not None:
+            if type(t) not in _PLAIN_TENSOR_TYPES:
+                return _DISPATCHER
+            if grad and t.requires_grad:
+                wants_grad = True
+    if tensors[0].is_meta or _functorch_active():
+        return _DISPATCHER
+    return _AUTOGRAD if wants_grad else _DIRECT

@@ -1,0 +1,27 @@
+// Turning CUDA runtime results into libssm statuses with a message, and running launches on the
+// tensors' device while leaving the caller's current device as it was.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "error.h"
+
+namespace ssm {
+
+// SSM_SUCCESS for cudaSuccess; otherwise records "<what>: <CUDA error string>" and returns
+// SSM_ERROR_CUDA.
+ssm_status cuda_status(cudaError_t err, const char* what);
+
+// Makes `device` current for the guard's lifetime and restores the previous one after.
+class CudaDeviceGuard {
+ public:
+  explicit CudaDeviceGuard(int device);
+  ~CudaDeviceGuard();
+  ssm_status status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  ssm_status status_ = SSM_SUCCESS;
+};
+
+}  // namespace ssm

@@ -1,0 +1,24 @@
+// The validated, framework-free view of a tensor that op implementations receive: data already
+// offset by DLPack's byte_offset, the element type reduced to the three float types libssm
+// computes with, and one stride per axis in elements, in the axis order the op documents.
+#pragma once
+
+#include <cstdint>
+
+namespace ssm {
+
+enum class Dtype : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
+
+inline const char* dtype_name(Dtype d) {
+  return d == Dtype::F32 ? "float32" : d == Dtype::F16 ? "float16" : "bfloat16";
+}
+
+struct TensorRef {
+  void* data = nullptr;  // nullptr: the optional tensor is absent
+  Dtype dtype = Dtype::F32;
+  int64_t stride[4] = {0, 0, 0, 0};
+
+  bool present() const { return data != nullptr; }
+};
+
+}  // namespace ssm

@@ -1,0 +1,323 @@
+// Selective-scan backward kernel and its launcher.
+//
+// A block walks its kK channels' chunks from last to first. For a chunk it restarts h from the
+// checkpoint the forward-in-checkpoint-mode pass left at the chunk start, recomputes the kT
+// states of every step into registers, then runs the adjoint recurrence backwards:
+//   mu_t = exp(dt_t A) mu_(t+1)... (carried as `mu`, pre-multiplied by exp(dt_(t+1) A)) + C_t dy_t
+// and emits each step's gradient terms. Sums over states (ddt, du, and y for dz) go through
+// per-step partials in shared memory; sums over channels (variable dB, dC) are first reduced
+// across the warp's channels with shuffles, then across warps in shared memory, then added to
+// float32 accumulators with one atomic per (state, step) and block. Per-channel sums over steps
+// (dA, dD, ddelta_bias, fixed dB/dC) stay in registers until the end.
+#pragma once
+
+#include "scan_common.cuh"
+
+namespace ssm {
+
+// Sums v over the kW lanes of a warp that hold the same lanes-within-channel position (the
+// warp's channels), halving the values each lane keeps at every step. Returns the index of the
+// first original value the lane now holds in v[0 .. kOut). When kW > kV the last steps are
+// plain all-reduces and only lanes with those channel bits clear should publish.
+template <int kW, int kP, int kV>
+struct WarpChannelReduce {
+  static constexpr int kOut = kV / kW > 0 ? kV / kW : 1;
+  static constexpr int kPublishMask = kW > kV ? kW / kV - 1 : 0;
+
+  template <int kO, int kCount>
+  __device__ static __forceinline__ void step(float (&v)[kV], int cw, int& first) {
+    if constexpr (kO >= 1) {
+      if constexpr (kCount > 1) {
+        constexpr int kHalf = kCount / 2;
+        const bool upper = cw & kO;
+#pragma unroll
+        for (int i = 0; i < kHalf; ++i) {
+          const float send = upper ? v[i] : v[i + kHalf];
+          const float keep = upper ? v[i + kHalf] : v[i];
+          v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kO * kP);
+        }
+        if (upper) first += kHalf;
+        step<kO / 2, kHalf>(v, cw, first);
+      } else {
+        v[0] += __shfl_xor_sync(0xffffffffu, v[0], kO * kP);
+        step<kO / 2, 1>(v, cw, first);
+      }
+    }
+  }
+
+  __device__ static __forceinline__ int run(float (&v)[kV], int cw) {
+    int first = 0;
+    step<kW / 2, kV>(v, cw, first);
+    return first;
+  }
+};
+
+__device__ __forceinline__ void atomic_add4(float* dst, float4 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float4*>(dst), v);
+#else
+  atomicAdd(dst, v.x); atomicAdd(dst + 1, v.y); atomicAdd(dst + 2, v.z); atomicAdd(dst + 3, v.w);
+#endif
+}
+
+template <int kNpad>
+__global__ void __launch_bounds__(ScanTraits<kNpad>::kThreads)
+selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __restrict__ checkpoints,
+                          const BwdAccumulators acc) {
+  using Tr = ScanTraits<kNpad>;
+  constexpr int kNS = Tr::kNS, kT = Tr::kT, kV = 2 * kNS;
+  using Reduce = WarpChannelReduce<Tr::kW, Tr::kP, kV>;
+  // Each thread owns the (channel, step) slots i = threadIdx.x + m * kThreads of the epilogue.
+  constexpr int kSlots = (Tr::kK * kT + Tr::kThreads - 1) / Tr::kThreads;
+
+  extern __shared__ float4 smem4[];
+  float* sB = reinterpret_cast<float*>(smem4);
+  float* sC = sB + kT * Tr::kBCPitch;
+  float* su = sC + kT * Tr::kBCPitch;
+  float* sdt = su + Tr::kK * Tr::kChanPitch;
+  float* sdy = sdt + Tr::kK * Tr::kChanPitch;
+  float* sddt = sdy + Tr::kK * Tr::kChanPitch;   // [kT][kPartPitch] partial sums over states
+  float* sdu = sddt + kT * Tr::kPartPitch;
+  float* sy = sdu + kT * Tr::kPartPitch;
+  float* sbc = sy + kT * Tr::kPartPitch;         // [warp][kT][2][kNpad] dB, dC over the warp's channels
+
+  const bool var_bc = !a.B_fixed || !a.C_fixed;
+  const int warp = threadIdx.x / 32, cw = (threadIdx.x % 32) / Tr::kP;
+
+  for (int64_t batch = blockIdx.y; batch < a.batch; batch += gridDim.y) {
+    const BlockPlace<Tr> pl(a, g, batch);
+    const StateConsts<Tr> k(a, pl);
+    const int n0 = pl.p * kNS;
+
+    float mu[kNS], dA[kNS], dBfix[kNS], dCfix[kNS];
+#pragma unroll
+    for (int j = 0; j < kNS; ++j) {
+      mu[j] = a.dlast_state.data && pl.cvalid && n0 + j < a.dstate
+                  ? load_as_float(a.dlast_state.data, pl.state_index(a.dlast_state, n0 + j),
+                                  a.dlast_state.dtype)
+                  : 0.f;
+      dA[j] = dBfix[j] = dCfix[j] = 0.f;
+    }
+    float sum_dyu[kSlots], sum_ddelta[kSlots];
+#pragma unroll
+    for (int m = 0; m < kSlots; ++m) sum_dyu[m] = sum_ddelta[m] = 0.f;
+
+    for (int64_t chunk = g.nchunks - 1; chunk >= 0; --chunk) {
+      const int64_t t0 = chunk * kT;
+      __syncthreads();
+      if (!a.B_fixed) stage_bc<Tr>(sB, a.B, pl.b, pl.gB, a.dstate, a.seqlen, t0);
+      if (!a.C_fixed) stage_bc<Tr>(sC, a.C, pl.b, pl.gC, a.dstate, a.seqlen, t0);
+      stage_channels<Tr>(a, pl, t0, su, sdt, sdy);
+      __syncthreads();
+
+      // Recompute h_(t-1) for every step of the chunk.
+      float hs[kT][kNS];
+      {
+        float h[kNS];
+        if (pl.cvalid) {
+          load_states(h, checkpoints + ((pl.b * a.dim + pl.d) * g.nchunks + chunk) * kNpad + n0);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kNS; ++j) h[j] = 0.f;
+        }
+#pragma unroll
+        for (int s = 0; s < kT; ++s) {
+          const float dt = sdt[pl.c * Tr::kChanPitch + s];
+          const float dtu = dt * su[pl.c * Tr::kChanPitch + s];
+          float bv[kNS];
+          if (a.B_fixed) {
+#pragma unroll
+            for (int j = 0; j < kNS; ++j) bv[j] = k.Bfix[j];
+          } else {
+            load_states(bv, sB + s * Tr::kBCPitch + n0);
+          }
+#pragma unroll
+          for (int j = 0; j < kNS; ++j) {
+            hs[s][j] = h[j];
+            h[j] = fmaf(exp2f(dt * k.A2[j]), h[j], dtu * bv[j]);
+          }
+        }
+      }
+
+#pragma unroll
+      for (int s = kT - 1; s >= 0; --s) {
+        const float dt = sdt[pl.c * Tr::kChanPitch + s];
+        const float u = su[pl.c * Tr::kChanPitch + s];
+        const float dy = sdy[pl.c * Tr::kChanPitch + s];
+        const float dtu = dt * u;
+        float bv[kNS], cv[kNS];
+        if (a.B_fixed) {
+#pragma unroll
+          for (int j = 0; j < kNS; ++j) bv[j] = k.Bfix[j];
+        } else {
+          load_states(bv, sB + s * Tr::kBCPitch + n0);
+        }
+        if (a.C_fixed) {
+#pragma unroll
+          for (int j = 0; j < kNS; ++j) cv[j] = k.Cfix[j];
+        } else {
+          load_states(cv, sC + s * Tr::kBCPitch + n0);
+        }
+        float ddt = 0.f, dus = 0.f, y = 0.f;
+        float v[kV];
+#pragma unroll
+        for (int j = 0; j < kNS; ++j) {
+          const float da = exp2f(dt * k.A2[j]);
+          const float hp = hs[s][j];
+          const float h = fmaf(da, hp, dtu * bv[j]);
+          const float m = fmaf(cv[j], dy, mu[j]);  // dL/dh_t
+          const float hpa = hp * da;
+          ddt = fmaf(m, fmaf(bv[j], u, hpa * k.A[j]), ddt);
+          dus = fmaf(m, bv[j], dus);
+          dA[j] = fmaf(m * hpa, dt, dA[j]);
+          y = fmaf(cv[j], h, y);
+          v[j] = m * dtu;      // dB
+          v[kNS + j] = dy * h; // dC
+          dBfix[j] += v[j];
+          dCfix[j] += v[kNS + j];
+          mu[j] = m * da;
+        }
+        sddt[s * Tr::kPartPitch + threadIdx.x] = ddt;
+        sdu[s * Tr::kPartPitch + threadIdx.x] = dus;
+        sy[s * Tr::kPartPitch + threadIdx.x] = y;
+        if (var_bc) {
+          const int first = Reduce::run(v, cw);
+          if ((cw & Reduce::kPublishMask) == 0) {
+#pragma unroll
+            for (int i = 0; i < Reduce::kOut; ++i) {
+              const int idx = first + i, which = idx / kNS, n = n0 + idx % kNS;
+              sbc[((warp * kT + s) * 2 + which) * kNpad + n] = v[i];
+            }
+          }
+        }
+      }
+      __syncthreads();
+
+      // Variable dB/dC: sum the warps' partials, one float4 atomic per 4 steps of a state.
+      if (var_bc) {
+        for (int i = threadIdx.x; i < 2 * kNpad * (kT / 4); i += Tr::kThreads) {
+          const int s4 = (i % (kT / 4)) * 4, n = (i / (kT / 4)) % kNpad, which = i / (kT / 4) / kNpad;
+          const bool fixed = which == 0 ? a.B_fixed : a.C_fixed;
+          if (fixed || n >= a.dstate) continue;
+          float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int w = 0; w < Tr::kWarps; ++w) {
+            const float* src = sbc + ((w * kT + s4) * 2 + which) * kNpad + n;
+            sum.x += src[0];
+            sum.y += src[2 * kNpad];
+            sum.z += src[4 * kNpad];
+            sum.w += src[6 * kNpad];
+          }
+          const int64_t grp = which == 0 ? pl.gB : pl.gC;
+          const int64_t groups = which == 0 ? a.B_groups : a.C_groups;
+          float* dst = (which == 0 ? acc.dB : acc.dC) +
+                       ((pl.b * groups + grp) * a.dstate + n) * acc.seqlen_padded + t0 + s4;
+          atomic_add4(dst, sum);
+        }
+      }
+
+      // Per (channel, step): finish du, ddelta, dz from the state sums.
+#pragma unroll
+      for (int m = 0; m < kSlots; ++m) {
+        const int i = threadIdx.x + m * Tr::kThreads;
+        if (i >= Tr::kK * kT) break;
+        const int c = i / kT, s = i % kT;
+        if (c >= pl.nvalid || t0 + s >= a.seqlen) continue;
+        const int64_t d = pl.chan0 + c;
+        float ddt = 0.f, dus = 0.f, y = 0.f;
+#pragma unroll
+        for (int q = 0; q < Tr::kP; ++q) {
+          const int src = s * Tr::kPartPitch + c * Tr::kP + q;
+          ddt += sddt[src];
+          dus += sdu[src];
+          y += sy[src];
+        }
+        const float dt = sdt[c * Tr::kChanPitch + s], u = su[c * Tr::kChanPitch + s];
+        const float dy = sdy[c * Tr::kChanPitch + s];
+        const float Dd = a.D.data ? static_cast<const float*>(a.D.data)[d * a.D.stride[0]] : 0.f;
+        if (a.du.data)
+          store_from_float(a.du.data, pl.seq_index(a.du, d, t0 + s), a.du.dtype, fmaf(dt, dus, Dd * dy));
+        if (a.dz.data) {
+          const float z = load_as_float(a.z.data, pl.seq_index(a.z, d, t0 + s), a.z.dtype);
+          const float go = load_as_float(a.dout.data, pl.seq_index(a.dout, d, t0 + s), a.dout.dtype);
+          const float sg = sigmoid(z);
+          store_from_float(a.dz.data, pl.seq_index(a.dz, d, t0 + s), a.dz.dtype,
+                           go * fmaf(Dd, u, y) * sg * fmaf(z, 1.f - sg, 1.f));
+        }
+        float ddelta = ddt;
+        if (a.delta_softplus) {
+          float x = load_as_float(a.delta.data, pl.seq_index(a.delta, d, t0 + s), a.delta.dtype);
+          if (a.delta_bias.data) x += static_cast<const float*>(a.delta_bias.data)[d * a.delta_bias.stride[0]];
+          ddelta *= sigmoid(x);
+        }
+        if (a.ddelta.data)
+          store_from_float(a.ddelta.data, pl.seq_index(a.ddelta, d, t0 + s), a.ddelta.dtype, ddelta);
+        sum_dyu[m] = fmaf(dy, u, sum_dyu[m]);
+        sum_ddelta[m] += ddelta;
+      }
+    }
+
+    // Per-channel sums over the sequence: reduce the slots of each channel through shared
+    // memory (sddt/sdu are free now), then one atomic per channel into the accumulators.
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < kSlots; ++m) {
+      const int i = threadIdx.x + m * Tr::kThreads;
+      if (i < Tr::kK * kT) {
+        sddt[i] = sum_dyu[m];
+        sdu[i] = sum_ddelta[m];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < pl.nvalid) {
+      float s_dyu = 0.f, s_ddelta = 0.f;
+      for (int s = 0; s < kT; ++s) {
+        s_dyu += sddt[threadIdx.x * kT + s];
+        s_ddelta += sdu[threadIdx.x * kT + s];
+      }
+      const int64_t d = pl.chan0 + threadIdx.x;
+      if (acc.dD) atomicAdd(acc.dD + d, s_dyu);
+      if (acc.ddelta_bias) atomicAdd(acc.ddelta_bias + d, s_ddelta);
+    }
+
+    if (pl.cvalid) {
+#pragma unroll
+      for (int j = 0; j < kNS; ++j) {
+        const int n = n0 + j;
+        if (n >= a.dstate) continue;
+        if (a.dinitial_state.data)
+          store_from_float(a.dinitial_state.data, pl.state_index(a.dinitial_state, n),
+                           a.dinitial_state.dtype, mu[j]);
+        if (acc.dA) atomicAdd(acc.dA + pl.d * a.dstate + n, dA[j]);
+        if (a.B_fixed && acc.dB) atomicAdd(acc.dB + pl.d * a.dstate + n, dBfix[j]);
+        if (a.C_fixed && acc.dC) atomicAdd(acc.dC + pl.d * a.dstate + n, dCfix[j]);
+      }
+    }
+  }
+}
+
+template <int kNpad>
+size_t selective_scan_bwd_smem_bytes() {
+  using Tr = ScanTraits<kNpad>;
+  return sizeof(float) * (2 * Tr::kT * Tr::kBCPitch + 3 * Tr::kK * Tr::kChanPitch +
+                          3 * Tr::kT * Tr::kPartPitch + Tr::kWarps * Tr::kT * 2 * kNpad);
+}
+
+template <int kNpad>
+cudaError_t launch_selective_scan_bwd(const ScanArgs& a, const float* checkpoints,
+                                      const BwdAccumulators& acc, cudaStream_t stream) {
+  using Tr = ScanTraits<kNpad>;
+  const ScanGrid g = make_scan_grid(a, Tr::kK, Tr::kT);
+  const size_t smem = selective_scan_bwd_smem_bytes<kNpad>();
+  if (smem > 48 * 1024) {
+    cudaError_t err = cudaFuncSetAttribute(selective_scan_bwd_kernel<kNpad>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(unsigned(g.tiles_per_cell * (a.dim / g.cell)),
+                  unsigned(a.batch < 65535 ? a.batch : 65535));
+  selective_scan_bwd_kernel<kNpad><<<grid, Tr::kThreads, smem, stream>>>(a, g, checkpoints, acc);
+  return cudaGetLastError();
+}
+
+}  // namespace ssm

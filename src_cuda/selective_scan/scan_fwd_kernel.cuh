@@ -1,0 +1,129 @@
+// Selective-scan forward kernel (formula in libssm/selective_scan.h) and its launcher.
+//
+// A block runs kK channels of one batch through the sequence chunk by chunk: stage B, C, u, dt
+// of kT steps in shared memory; each thread advances its kNS states with exp2 on the special
+// function unit and writes its partial <C, h> per step; the epilogue sums the kP partials of a
+// channel, adds D*u, applies the z gate and stores out. With `checkpoints` set it instead
+// records h at every chunk start (the backward's restart points) and writes no output.
+#pragma once
+
+#include "scan_common.cuh"
+
+namespace ssm {
+
+template <int kNpad>
+__global__ void __launch_bounds__(ScanTraits<kNpad>::kThreads)
+selective_scan_fwd_kernel(const ScanArgs a, const ScanGrid g, float* __restrict__ checkpoints) {
+  using Tr = ScanTraits<kNpad>;
+  extern __shared__ float4 smem4[];
+  float* sB = reinterpret_cast<float*>(smem4);
+  float* sC = sB + Tr::kT * Tr::kBCPitch;
+  float* su = sC + Tr::kT * Tr::kBCPitch;
+  float* sdt = su + Tr::kK * Tr::kChanPitch;
+  float* sy = sdt + Tr::kK * Tr::kChanPitch;  // [kT][kPartPitch]
+
+  for (int64_t batch = blockIdx.y; batch < a.batch; batch += gridDim.y) {
+    const BlockPlace<Tr> pl(a, g, batch);
+    const StateConsts<Tr> k(a, pl);
+    const int n0 = pl.p * Tr::kNS;
+
+    float h[Tr::kNS];
+#pragma unroll
+    for (int j = 0; j < Tr::kNS; ++j)
+      h[j] = a.initial_state.data && pl.cvalid && n0 + j < a.dstate
+                 ? load_as_float(a.initial_state.data, pl.state_index(a.initial_state, n0 + j),
+                                 a.initial_state.dtype)
+                 : 0.f;
+
+    for (int64_t t0 = 0, chunk = 0; t0 < a.seqlen; t0 += Tr::kT, ++chunk) {
+      if (checkpoints && pl.cvalid) {
+        float* dst = checkpoints + ((pl.b * a.dim + pl.d) * g.nchunks + chunk) * kNpad + n0;
+#pragma unroll
+        for (int j = 0; j < Tr::kNS; j += 4)
+          *reinterpret_cast<float4*>(dst + j) = make_float4(h[j], h[j + 1], h[j + 2], h[j + 3]);
+      }
+      __syncthreads();  // the previous chunk's readers are done with shared memory
+      if (!a.B_fixed) stage_bc<Tr>(sB, a.B, pl.b, pl.gB, a.dstate, a.seqlen, t0);
+      if (!a.C_fixed && !checkpoints) stage_bc<Tr>(sC, a.C, pl.b, pl.gC, a.dstate, a.seqlen, t0);
+      stage_channels<Tr>(a, pl, t0, su, sdt, nullptr);
+      __syncthreads();
+
+#pragma unroll
+      for (int s = 0; s < Tr::kT; ++s) {
+        const float dt = sdt[pl.c * Tr::kChanPitch + s];
+        const float dtu = dt * su[pl.c * Tr::kChanPitch + s];
+        float bv[Tr::kNS], cv[Tr::kNS];
+        if (a.B_fixed) {
+#pragma unroll
+          for (int j = 0; j < Tr::kNS; ++j) bv[j] = k.Bfix[j];
+        } else {
+          load_states(bv, sB + s * Tr::kBCPitch + n0);
+        }
+        if (a.C_fixed) {
+#pragma unroll
+          for (int j = 0; j < Tr::kNS; ++j) cv[j] = k.Cfix[j];
+        } else {
+          load_states(cv, sC + s * Tr::kBCPitch + n0);
+        }
+        float y = 0.f;
+#pragma unroll
+        for (int j = 0; j < Tr::kNS; ++j) {
+          h[j] = fmaf(exp2f(dt * k.A2[j]), h[j], dtu * bv[j]);
+          y = fmaf(cv[j], h[j], y);
+        }
+        sy[s * Tr::kPartPitch + threadIdx.x] = y;
+      }
+
+      if (checkpoints) continue;
+      __syncthreads();
+      for (int i = threadIdx.x; i < Tr::kK * Tr::kT; i += Tr::kThreads) {
+        const int c = i / Tr::kT, s = i % Tr::kT;
+        if (c >= pl.nvalid || t0 + s >= a.seqlen) continue;
+        const int64_t d = pl.chan0 + c;
+        float y = 0.f;
+#pragma unroll
+        for (int q = 0; q < Tr::kP; ++q) y += sy[s * Tr::kPartPitch + c * Tr::kP + q];
+        if (a.D.data) y += static_cast<const float*>(a.D.data)[d * a.D.stride[0]] * su[c * Tr::kChanPitch + s];
+        if (a.z.data) {
+          const float z = load_as_float(a.z.data, pl.seq_index(a.z, d, t0 + s), a.z.dtype);
+          y *= z * sigmoid(z);
+        }
+        store_from_float(a.out.data, pl.seq_index(a.out, d, t0 + s), a.out.dtype, y);
+      }
+    }
+
+    if (a.last_state.data && pl.cvalid) {
+#pragma unroll
+      for (int j = 0; j < Tr::kNS; ++j)
+        if (n0 + j < a.dstate)
+          store_from_float(a.last_state.data, pl.state_index(a.last_state, n0 + j),
+                           a.last_state.dtype, h[j]);
+    }
+    __syncthreads();  // the next batch restages shared memory
+  }
+}
+
+template <int kNpad>
+size_t selective_scan_fwd_smem_bytes() {
+  using Tr = ScanTraits<kNpad>;
+  return sizeof(float) * (2 * Tr::kT * Tr::kBCPitch + 2 * Tr::kK * Tr::kChanPitch +
+                          Tr::kT * Tr::kPartPitch);
+}
+
+template <int kNpad>
+cudaError_t launch_selective_scan_fwd(const ScanArgs& a, float* checkpoints, cudaStream_t stream) {
+  using Tr = ScanTraits<kNpad>;
+  const ScanGrid g = make_scan_grid(a, Tr::kK, Tr::kT);
+  const size_t smem = selective_scan_fwd_smem_bytes<kNpad>();
+  if (smem > 48 * 1024) {
+    cudaError_t err = cudaFuncSetAttribute(selective_scan_fwd_kernel<kNpad>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(unsigned(g.tiles_per_cell * (a.dim / g.cell)),
+                  unsigned(a.batch < 65535 ? a.batch : 65535));
+  selective_scan_fwd_kernel<kNpad><<<grid, Tr::kThreads, smem, stream>>>(a, g, checkpoints);
+  return cudaGetLastError();
+}
+
+}  // namespace ssm

@@ -1,0 +1,50 @@
+"""pytest setup for libssm's suites: the `cuda` marker (tests that need a GPU and a libssm built
+with CUDA; skipped, with the reason, when either is missing) and shared fixtures."""
+import os
+import sys
+
+import pytest
+
+# Test modules import the references by name, whatever pytest's import mode.
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+from references import seed_for  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cuda: needs a CUDA GPU seen by torch and a libssm built with CUDA "
+                   "(select with -m cuda; skipped otherwise)")
+
+
+def _cuda_unavailable_reason():
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    import libssm
+    if libssm.cuda_device_count() == 0:
+        return "libssm sees no CUDA device (built without CUDA, or no driver)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda_items = [item for item in items if "cuda" in item.keywords]
+    if not cuda_items:
+        return
+    reason = _cuda_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in cuda_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture
+def seed(request):
+    """A fixed seed per test id: reruns see the same inputs, different tests different ones."""
+    return seed_for(request.node.nodeid)
