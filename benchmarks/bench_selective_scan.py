@@ -135,9 +135,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--rows", choices=["all", "quick"], default="all")
+    ap.add_argument("--impls", default="libssm,mamba_ssm,torch_ref",
+                    help="comma-separated subset of libssm, mamba_ssm, torch_ref")
     args = ap.parse_args()
     rows = ROWS if args.rows == "all" else ROWS[2:4]
-    impls = ["libssm"] + (["mamba_ssm"] if mamba_scan else []) + ["torch_ref"]
+    impls = [i for i in args.impls.split(",") if i != "mamba_ssm" or mamba_scan]
     gpu = torch.cuda.get_device_name()
     results = []
     for row in rows:
@@ -148,6 +150,7 @@ def main():
             r = measure(impl, row, args.reps if impl != "torch_ref" else 3)
             results.append(dict(impl=impl, batch=batch, dim=dim, seqlen=seqlen, dstate=dstate,
                                 dtype=str(dtype).removeprefix("torch."), **r))
+            print(results[-1], flush=True)
             torch.cuda.empty_cache()
     overhead = host_overhead_us()
 

@@ -291,3 +291,25 @@ def transposed_poison(shape, dtype, device="cpu"):
     """A NaN-filled tensor of `shape` whose memory runs in the opposite axis order."""
     return torch.full(tuple(reversed(shape)), float("nan"), dtype=dtype, device=device).permute(
         *reversed(range(len(shape))))
+
+
+def mamba_layout(inputs, case):
+    """Inputs laid out as a Mamba layer makes them: u and z the two halves of one in-projection;
+    B and C column slices of one (batch * seqlen, dt_rank + 2 * dstate) projection viewed as
+    (batch, dstate, seqlen), so they interleave in one buffer; delta in the (batch, seqlen, dim)
+    memory order a linear layer leaves it in."""
+    b, d, l, n = case.batch, case.dim, case.seqlen, case.dstate
+    xz = torch.cat([inputs["u"], inputs["z"]], dim=1)
+    rank = 3
+    x_dbl = torch.zeros(b * l, rank + 2 * n, dtype=inputs["B"].dtype,
+                        device=inputs["B"].device)
+    x_dbl[:, rank:rank + n] = inputs["B"].transpose(1, 2).reshape(b * l, n)
+    x_dbl[:, rank + n:] = inputs["C"].transpose(1, 2).reshape(b * l, n)
+    views = dict(inputs)
+    views["u"], views["z"] = xz[:, :d], xz[:, d:]
+    views["B"] = x_dbl[:, rank:rank + n].reshape(b, l, n).transpose(1, 2)
+    views["C"] = x_dbl[:, rank + n:].reshape(b, l, n).transpose(1, 2)
+    views["delta"] = inputs["delta"].transpose(1, 2).contiguous().transpose(1, 2)
+    for name in ("u", "z", "B", "C"):
+        assert torch.equal(views[name], inputs[name]), name
+    return views

@@ -419,31 +419,43 @@ def test_c_status_strings():
 
 
 def test_error_messages_are_per_thread():
-    # Threads failing at the same time each get their own message (cffi drops the GIL while
-    # the library runs, so the calls do overlap).
+    # Thread one fails, then thread two fails differently, then thread one reads its message:
+    # still its own. The main thread, which last succeeded, still reads "".
+    api = CApi()
     x = valid_inputs()
-    bad = {"u": _set("u", lambda x: x["u"].double()), "B": _set("B", torch.randn(3, 3, 3)),
-           "D": _set("D", torch.randn(DIM + 1)), "z": _set("z", lambda x: x["z"][:1])}
-    failures = []
+    libssm.selective_scan(x["u"], x["delta"], x["A"], x["B"], x["C"])
+    first_failed, second_failed = threading.Event(), threading.Event()
+    seen = {}
 
-    def worker(name):
-        y = dict(x)
-        bad[name](y)
-        for _ in range(200):
-            try:
-                libssm.selective_scan(y["u"], y["delta"], y["A"], y["B"], y["C"], y["D"],
-                                      y["z"])
-                failures.append((name, "no error"))
-            except libssm.Error as e:
-                if not str(e).startswith(name + ":"):
-                    failures.append((name, str(e)))
+    def fail_with(name, value):
+        y = dict(x, **{name: value})
+        with pytest.raises(libssm.ShapeError):
+            libssm.selective_scan(y["u"], y["delta"], y["A"], y["B"], y["C"], y["D"])
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in bad]
+    def first():
+        try:
+            fail_with("B", torch.randn(3, 3, 3))
+        finally:
+            first_failed.set()
+        second_failed.wait(30)
+        seen["first"] = api.last_error()
+
+    def second():
+        first_failed.wait(30)
+        try:
+            fail_with("D", torch.randn(DIM + 1))
+        finally:
+            second_failed.set()
+        seen["second"] = api.last_error()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not failures, failures[:4]
+    assert seen["first"].startswith("B:"), seen
+    assert seen["second"].startswith("D:"), seen
+    assert api.last_error() == ""
 
 
 # ---------------------------------------------------------------------------------------------

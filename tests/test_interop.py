@@ -167,7 +167,7 @@ def test_jax_in_jax_out(seed):
                          jnp.asarray(to_numpy(dlast)))
     assert all(isinstance(g, jax.Array) for g in grads)
     check_backward(CASE, inputs, dout, dlast,
-                   libssm.SelectiveScanGrads(*(None if g is None else np.asarray(g) for g in grads)))
+                   libssm.SelectiveScanGrads(*(np.asarray(g) for g in grads)))
 
 
 def test_jax_out_is_refused():

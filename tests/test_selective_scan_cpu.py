@@ -2,6 +2,8 @@
 float64 references: every option alone and together, every B/C form, sizes chosen to reach the
 edges (seqlen 1, dstate 1 and 256, dim 1, batch 0), strided and reversed views, out=, and
 gradient buffers poisoned with NaN so that anything left unwritten shows."""
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -10,8 +12,9 @@ import libssm
 from references import (ScanCase, assert_close, make_cotangents, make_inputs, reference_outputs,
                         selective_scan_numpy, selective_scan_torch)
 from scan_harness import (DTYPE_IDS, DTYPES, FULL, ROWS, CApi, case_id, check_backward,
-                          check_forward, poisoned_grads, poisoned_like, run_backward,
-                          run_forward, strided_views, to_numpy, transposed_poison)
+                          check_forward, mamba_layout, poisoned_grads, poisoned_like,
+                          run_backward, run_forward, strided_views, to_numpy,
+                          transposed_poison)
 
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 rows = pytest.mark.parametrize("case", ROWS, ids=case_id)
@@ -30,13 +33,13 @@ def test_reference_by_hand():
     B = np.array([[[2.0, -1.0]]])
     C = np.array([[[1.0, 3.0]]])
     D = np.array([0.5])
-    z = np.array([[[0.0, 1.0]]])
+    z = np.array([[[0.5, 1.0]]])
     h0 = np.array([[[4.0]]])
     dt = np.log1p(np.exp(np.array([0.75, -0.75])))
     h1 = np.exp(-0.5 * dt[0]) * 4.0 + dt[0] * 2.0 * 1.0
     h2 = np.exp(-0.5 * dt[1]) * h1 + dt[1] * -1.0 * 2.0
     y = np.array([1.0 * h1 + 0.5 * 1.0, 3.0 * h2 + 0.5 * 2.0])
-    expected = y * np.array([0.0 * 0.5, 1.0 / (1.0 + np.exp(-1.0))])
+    expected = y * np.array([0.5 / (1.0 + np.exp(-0.5)), 1.0 / (1.0 + np.exp(-1.0))])
     out, last = selective_scan_numpy(u, delta, A, B, C, D, z, delta_bias, True, h0)
     np.testing.assert_allclose(out[0, 0], expected, rtol=1e-14)
     np.testing.assert_allclose(last[0, 0, 0], h2, rtol=1e-14)
@@ -162,10 +165,25 @@ def test_numpy_forward_backward(case, dtype, seed):
 def test_strided_inputs(case, dtype, seed):
     inputs = make_inputs(case, dtype, seed)
     views = strided_views(inputs)
+    assert not views["u"].is_contiguous() and views["delta"].storage_offset() == 3
     check_forward(case, inputs, *run_forward(case, views))
     dout, dlast = make_cotangents(case, dtype, seed)
     dout_view = dout.transpose(0, 2).contiguous().transpose(0, 2)
     check_backward(case, inputs, dout, dlast, run_backward(case, views, dout_view, dlast))
+
+
+def test_numpy_strided_inputs(seed):
+    # The same views through NumPy, whose DLPack export carries the strides (and offsets folded
+    # into the data pointer).
+    case = FULL.replace(B_form="group", C_form="group", groups=3)
+    inputs = make_inputs(case, torch.float16, seed)
+    views = {k: to_numpy(v) for k, v in strided_views(inputs).items()}
+    assert not views["u"].flags.c_contiguous and not views["delta"].flags.c_contiguous
+    check_forward(case, inputs, *run_forward(case, views))
+    dout, dlast = make_cotangents(case, torch.float16, seed)
+    grads = run_backward(case, views, to_numpy(dout.transpose(1, 2).contiguous()).swapaxes(1, 2),
+                         to_numpy(dlast))
+    check_backward(case, inputs, dout, dlast, grads)
 
 
 def test_numpy_reversed_and_broadcast_inputs(seed):
@@ -305,3 +323,107 @@ def test_output_rounding_is_nearest_even(out_dtype, seed):
     out = poisoned_like(u, dtype=out_dtype)
     run_forward(case, inputs, out=out)
     assert torch.equal(out, u.to(out_dtype)), (out.view(-1)[:8], u.to(out_dtype).view(-1)[:8])
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts real callers produce, DLTensor fields the frameworks above never set, extreme values.
+
+
+@dtypes
+def test_mamba_layout(dtype, seed):
+    case = FULL
+    inputs = make_inputs(case, dtype, seed, dtypes={"z": dtype})
+    views = mamba_layout(inputs, case)
+    check_forward(case, inputs, *run_forward(case, views))
+    dout, dlast = make_cotangents(case, dtype, seed)
+    check_backward(case, inputs, dout, dlast, run_backward(case, views, dout, dlast))
+
+
+def test_inputs_may_alias_each_other(seed):
+    # Inputs are only read, so one tensor may serve as several: u as delta, B as C.
+    case = FULL.replace(B_form="group", C_form="group", groups=2)
+    inputs = make_inputs(case, torch.float32, seed)
+    inputs["u"] = inputs["delta"]
+    inputs["C"] = inputs["B"]
+    check_forward(case, inputs, *run_forward(case, inputs))
+    dout, dlast = make_cotangents(case, torch.float32, seed)
+    check_backward(case, inputs, dout, dlast, run_backward(case, inputs, dout, dlast))
+
+
+def test_c_byte_offset_and_null_strides(seed):
+    # DLTensor.byte_offset is added to data, and NULL strides mean compact row-major.
+    case = FULL
+    inputs = make_inputs(case, torch.float32, seed)
+    api = CApi()
+    dl = {}
+    for name, x in inputs.items():
+        padded = torch.cat([torch.full((5,), float("nan")), x.reshape(-1)])
+        address = api.dltensor(x.contiguous())
+        tensor = api.ffi.cast("DLTensor *", address)
+        tensor.data = api.ffi.cast("void *", padded.data_ptr())
+        tensor.byte_offset = 5 * 4
+        tensor.strides = api.ffi.NULL
+        api._keep.append(padded)
+        dl[name] = address
+    out = poisoned_like(inputs["u"])
+    last_state = torch.full((case.batch, case.dim, case.dstate), float("nan"))
+    out_dl = api.ffi.cast("DLTensor *", api.dltensor(out))
+    out_dl.strides = api.ffi.NULL
+    params = api.params(True)
+    api.check(api.lib.ssm_selective_scan_fwd(
+        params, *(dl[n] for n in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias",
+                                  "initial_state")),
+        api.address(out_dl), api.dltensor(last_state), 0, 0, 0))
+    check_forward(case, inputs, out, last_state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_extreme_delta_and_z(dtype, seed):
+    # softplus and silu far out on both sides: softplus(100) is 100 (exp(100) overflows float32,
+    # so a formula without a threshold gives inf), softplus(-100) and silu(-100) vanish.
+    case = FULL
+    inputs = make_inputs(case, dtype, seed)
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.tensor([-100.0, -30.0, -5.0, 0.0, 5.0, 19.0, 21.0, 30.0, 100.0])
+    for name in ("delta", "z"):
+        picks = torch.randint(0, len(spread), inputs[name].shape, generator=g)
+        inputs[name] = spread[picks].to(dtype)
+    check_forward(case, inputs, *run_forward(case, inputs))
+    dout, dlast = make_cotangents(case, dtype, seed)
+    check_backward(case, inputs, dout, dlast, run_backward(case, inputs, dout, dlast))
+
+
+def test_numpy_batch_zero(seed):
+    case = FULL.replace(batch=0)
+    inputs = make_inputs(case, torch.float16, seed)
+    np_inputs = {k: to_numpy(v) for k, v in inputs.items()}
+    out, last_state = run_forward(case, np_inputs)
+    assert out.shape == (0, case.dim, case.seqlen) and out.dtype == np.float16
+    dout, dlast = make_cotangents(case, torch.float16, seed)
+    grads = run_backward(case, np_inputs, to_numpy(dout), to_numpy(dlast))
+    check_backward(case, inputs, dout, dlast, grads)
+
+
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+def test_concurrent_calls_from_threads(framework, seed):
+    # The library runs without the GIL, so calls from several threads overlap; each must get
+    # its own result (the forward is per channel, so equal to the single-threaded bits).
+    case = FULL.replace(seqlen=1500, dim=16)
+    per_thread = [make_inputs(case, torch.float32, seed + i) for i in range(4)]
+    if framework == "numpy":
+        per_thread = [{k: to_numpy(v) for k, v in x.items()} for x in per_thread]
+    expected = [run_forward(case, x) for x in per_thread]
+    results = [None] * len(per_thread)
+
+    def work(i):
+        results[i] = [run_forward(case, per_thread[i]) for _ in range(20)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(per_thread))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for want, got in zip(expected, results):
+        for out, last_state in got:
+            assert np.array_equal(np.asarray(out), np.asarray(want[0]))
+            assert np.array_equal(np.asarray(last_state), np.asarray(want[1]))

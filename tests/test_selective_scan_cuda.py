@@ -10,8 +10,9 @@ import torch
 import libssm
 from references import INPUT_NAMES, make_cotangents, make_inputs
 from scan_harness import (DTYPE_IDS, DTYPES, FULL, ROWS, CApi, case_id, check_agree,
-                          check_backward, check_forward, poisoned_grads, poisoned_like,
-                          run_backward, run_forward, strided_views, transposed_poison)
+                          check_backward, check_forward, mamba_layout, poisoned_grads,
+                          poisoned_like, run_backward, run_forward, strided_views,
+                          transposed_poison)
 
 pytestmark = pytest.mark.cuda
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
@@ -179,6 +180,7 @@ def _stream_case(seed):
 
 def test_runs_on_torch_current_stream(seed):
     case, x, new = _stream_case(seed)
+    dout, dlast = make_cotangents(case, torch.float32, seed, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -186,7 +188,6 @@ def test_runs_on_torch_current_stream(seed):
         for n in INPUT_NAMES:
             x[n].copy_(new[n])
         out, last_state = run_forward(case, x)
-        dout, dlast = make_cotangents(case, torch.float32, seed, device="cuda")
         grads = run_backward(case, x, dout, dlast)
     stream.synchronize()
     cpu_inputs = to_cpu(new)
@@ -233,3 +234,34 @@ def test_cuda_graph_capture_python_api(seed):
         graph.replay()
         torch.cuda.synchronize()
         check_forward(case, to_cpu(inputs), out.cpu(), static_last.cpu())
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts real callers produce, and extreme values.
+
+
+@dtypes
+def test_mamba_layout(dtype, seed):
+    case = FULL.replace(seqlen=1000)
+    inputs = make_inputs(case, dtype, seed, device="cuda")
+    views = mamba_layout(inputs, case)
+    forward_on_gpu_and_cpu(case, views)
+    dout, dlast = make_cotangents(case, dtype, seed, device="cuda")
+    backward_on_gpu_and_cpu(case, views, dout, dlast)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_extreme_delta_and_z(dtype, seed):
+    # softplus(100) is 100 and softplus(-100), silu(-100) vanish; exp(100) overflows float32,
+    # so a softplus or silu without care gives inf or NaN.
+    case = FULL.replace(seqlen=300)
+    inputs = make_inputs(case, dtype, seed)
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.tensor([-100.0, -30.0, -5.0, 0.0, 5.0, 19.0, 21.0, 30.0, 100.0])
+    for name in ("delta", "z"):
+        picks = torch.randint(0, len(spread), inputs[name].shape, generator=g)
+        inputs[name] = spread[picks].to(dtype)
+    inputs = {k: None if v is None else v.cuda() for k, v in inputs.items()}
+    forward_on_gpu_and_cpu(case, inputs)
+    dout, dlast = make_cotangents(case, dtype, seed, device="cuda")
+    backward_on_gpu_and_cpu(case, inputs, dout, dlast)

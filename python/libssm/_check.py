@@ -248,7 +248,7 @@ def main(stream=sys.stdout):
         from . import _library
         library = _library.load()
     except ImportError as e:
-        report.say("libssm: %s" % e)
+        report.say("library:      not loaded (%s)" % e)
         return 1
     report.say("library:      %s" % library.path)
     report.say("version:      %s" % library.version)

@@ -244,6 +244,10 @@ ssm_status TensorChecker::expect_shape(const TensorArg& arg,
   put(names, nu, sizeof names, ndim == 1 ? ",)" : ")");
   put(want, wu, sizeof want, ndim == 1 ? ",)" : ")");
   format_shape(got, sizeof got, t->shape, t->ndim < 8 ? t->ndim : 8);
+  bool any_known = false;
+  for (int64_t e : extents) any_known |= e >= 0;
+  // With no extent known yet (the first tensor read) the "= (...)" would only repeat the names.
+  if (!any_known) return fail(SSM_ERROR_SHAPE, "%s: expected shape %s, got %s", arg.name, names, got);
   return fail(SSM_ERROR_SHAPE, "%s: expected shape %s = %s, got %s", arg.name, names, want, got);
 }
 
@@ -272,7 +276,9 @@ ssm_status TensorChecker::check_memory() const {
       return fail(SSM_ERROR_LAYOUT,
                   "%s: data + byte_offset = %p is not aligned to its %lld-byte %s elements",
                   a.name, a.data, (long long)elem, dtype_name(a.dtype));
-    if (roles_[i] == Role::Output) SSM_RETURN_IF_ERROR(check_no_self_overlap(a.name, t, a.stride));
+    // An empty output writes nothing, so its strides (NumPy gives 0 for every axis) cannot race.
+    if (roles_[i] == Role::Output && numel > 0)
+      SSM_RETURN_IF_ERROR(check_no_self_overlap(a.name, t, a.stride));
     spans[i] = span_of(t, a.stride, elem);
   }
   // Conservative on purpose: interleaved views (x[..., ::2] and x[..., 1::2]) share a byte range

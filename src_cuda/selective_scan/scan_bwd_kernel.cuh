@@ -61,10 +61,13 @@ __device__ __forceinline__ void atomic_add4(float* dst, float4 v) {
 }
 
 template <int kNpad>
-__global__ void __launch_bounds__(ScanTraits<kNpad>::kThreads)
+using BwdTraits = ScanTraits<kNpad, 128>;
+
+template <int kNpad>
+__global__ void __launch_bounds__(BwdTraits<kNpad>::kThreads)
 selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __restrict__ checkpoints,
                           const BwdAccumulators acc) {
-  using Tr = ScanTraits<kNpad>;
+  using Tr = BwdTraits<kNpad>;
   constexpr int kNS = Tr::kNS, kT = Tr::kT, kV = 2 * kNS;
   using Reduce = WarpChannelReduce<Tr::kW, Tr::kP, kV>;
   // Each thread owns the (channel, step) slots i = threadIdx.x + m * kThreads of the epilogue.
@@ -89,7 +92,9 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
     const StateConsts<Tr> k(a, pl);
     const int n0 = pl.p * kNS;
 
-    float mu[kNS], dA[kNS], dBfix[kNS], dCfix[kNS];
+    // Sums over steps: per chunk first, then into the totals, so float32 rounding grows with
+    // kT + nchunks terms rather than seqlen.
+    float mu[kNS], dA[kNS], dBfix[kNS], dCfix[kNS], dA_c[kNS], dBfix_c[kNS], dCfix_c[kNS];
 #pragma unroll
     for (int j = 0; j < kNS; ++j) {
       mu[j] = a.dlast_state.data && pl.cvalid && n0 + j < a.dstate
@@ -98,28 +103,49 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
                   : 0.f;
       dA[j] = dBfix[j] = dCfix[j] = 0.f;
     }
+    using In = ChunkInputs<Tr>;
+    float bias[kSlots], Dv[kSlots], zc[kSlots], doutc[kSlots], deltac[kSlots];
     float sum_dyu[kSlots], sum_ddelta[kSlots];
+    In::slot_consts(a, pl, bias, Dv);
 #pragma unroll
     for (int m = 0; m < kSlots; ++m) sum_dyu[m] = sum_ddelta[m] = 0.f;
+    In in;
+    in.load(a, pl, (g.nchunks - 1) * kT, true, true);
+    // h at the start of a chunk, loaded a chunk ahead like the inputs.
+    auto load_checkpoint = [&](int64_t chunk, float (&dst)[kNS]) {
+      if (pl.cvalid) {
+        load_states(dst, checkpoints + ((pl.b * a.dim + pl.d) * g.nchunks + chunk) * kNpad + n0);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kNS; ++j) dst[j] = 0.f;
+      }
+    };
+    float hstart[kNS];
+    load_checkpoint(g.nchunks - 1, hstart);
 
     for (int64_t chunk = g.nchunks - 1; chunk >= 0; --chunk) {
       const int64_t t0 = chunk * kT;
       __syncthreads();
-      if (!a.B_fixed) stage_bc<Tr>(sB, a.B, pl.b, pl.gB, a.dstate, a.seqlen, t0);
-      if (!a.C_fixed) stage_bc<Tr>(sC, a.C, pl.b, pl.gC, a.dstate, a.seqlen, t0);
-      stage_channels<Tr>(a, pl, t0, su, sdt, sdy);
+      in.store(a, pl, t0, bias, sB, sC, su, sdt, sdy);
+#pragma unroll
+      for (int m = 0; m < kSlots; ++m) {
+        zc[m] = in.z_at(a, m);
+        doutc[m] = in.dout_at(a, m);
+        deltac[m] = in.delta_at(a, m);
+      }
       __syncthreads();
+      if (chunk > 0) in.load(a, pl, t0 - kT, true, true);
+
+#pragma unroll
+      for (int j = 0; j < kNS; ++j) dA_c[j] = dBfix_c[j] = dCfix_c[j] = 0.f;
 
       // Recompute h_(t-1) for every step of the chunk.
       float hs[kT][kNS];
       {
         float h[kNS];
-        if (pl.cvalid) {
-          load_states(h, checkpoints + ((pl.b * a.dim + pl.d) * g.nchunks + chunk) * kNpad + n0);
-        } else {
 #pragma unroll
-          for (int j = 0; j < kNS; ++j) h[j] = 0.f;
-        }
+        for (int j = 0; j < kNS; ++j) h[j] = hstart[j];
+        if (chunk > 0) load_checkpoint(chunk - 1, hstart);
 #pragma unroll
         for (int s = 0; s < kT; ++s) {
           const float dt = sdt[pl.c * Tr::kChanPitch + s];
@@ -134,7 +160,7 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
 #pragma unroll
           for (int j = 0; j < kNS; ++j) {
             hs[s][j] = h[j];
-            h[j] = fmaf(exp2f(dt * k.A2[j]), h[j], dtu * bv[j]);
+            h[j] = fmaf(exp2_approx(dt * k.A2[j]), h[j], dtu * bv[j]);
           }
         }
       }
@@ -162,19 +188,19 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
         float v[kV];
 #pragma unroll
         for (int j = 0; j < kNS; ++j) {
-          const float da = exp2f(dt * k.A2[j]);
+          const float da = exp2_approx(dt * k.A2[j]);
           const float hp = hs[s][j];
           const float h = fmaf(da, hp, dtu * bv[j]);
           const float m = fmaf(cv[j], dy, mu[j]);  // dL/dh_t
           const float hpa = hp * da;
           ddt = fmaf(m, fmaf(bv[j], u, hpa * k.A[j]), ddt);
           dus = fmaf(m, bv[j], dus);
-          dA[j] = fmaf(m * hpa, dt, dA[j]);
+          dA_c[j] = fmaf(m * hpa, dt, dA_c[j]);
           y = fmaf(cv[j], h, y);
           v[j] = m * dtu;      // dB
           v[kNS + j] = dy * h; // dC
-          dBfix[j] += v[j];
-          dCfix[j] += v[kNS + j];
+          dBfix_c[j] += v[j];
+          dCfix_c[j] += v[kNS + j];
           mu[j] = m * da;
         }
         sddt[s * Tr::kPartPitch + threadIdx.x] = ddt;
@@ -190,6 +216,12 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
             }
           }
         }
+      }
+#pragma unroll
+      for (int j = 0; j < kNS; ++j) {
+        dA[j] += dA_c[j];
+        dBfix[j] += dBfix_c[j];
+        dCfix[j] += dCfix_c[j];
       }
       __syncthreads();
 
@@ -219,10 +251,8 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
       // Per (channel, step): finish du, ddelta, dz from the state sums.
 #pragma unroll
       for (int m = 0; m < kSlots; ++m) {
-        const int i = threadIdx.x + m * Tr::kThreads;
-        if (i >= Tr::kK * kT) break;
-        const int c = i / kT, s = i % kT;
-        if (c >= pl.nvalid || t0 + s >= a.seqlen) continue;
+        if (!In::slot_valid(a, pl, m, t0)) continue;
+        const int c = In::slot_channel(m), s = In::slot_step(m);
         const int64_t d = pl.chan0 + c;
         float ddt = 0.f, dus = 0.f, y = 0.f;
 #pragma unroll
@@ -234,22 +264,14 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
         }
         const float dt = sdt[c * Tr::kChanPitch + s], u = su[c * Tr::kChanPitch + s];
         const float dy = sdy[c * Tr::kChanPitch + s];
-        const float Dd = a.D.data ? static_cast<const float*>(a.D.data)[d * a.D.stride[0]] : 0.f;
         if (a.du.data)
-          store_from_float(a.du.data, pl.seq_index(a.du, d, t0 + s), a.du.dtype, fmaf(dt, dus, Dd * dy));
+          store_from_float(a.du.data, pl.seq_index(a.du, d, t0 + s), a.du.dtype, fmaf(dt, dus, Dv[m] * dy));
         if (a.dz.data) {
-          const float z = load_as_float(a.z.data, pl.seq_index(a.z, d, t0 + s), a.z.dtype);
-          const float go = load_as_float(a.dout.data, pl.seq_index(a.dout, d, t0 + s), a.dout.dtype);
-          const float sg = sigmoid(z);
+          const float sg = sigmoid(zc[m]);
           store_from_float(a.dz.data, pl.seq_index(a.dz, d, t0 + s), a.dz.dtype,
-                           go * fmaf(Dd, u, y) * sg * fmaf(z, 1.f - sg, 1.f));
+                           doutc[m] * fmaf(Dv[m], u, y) * sg * fmaf(zc[m], 1.f - sg, 1.f));
         }
-        float ddelta = ddt;
-        if (a.delta_softplus) {
-          float x = load_as_float(a.delta.data, pl.seq_index(a.delta, d, t0 + s), a.delta.dtype);
-          if (a.delta_bias.data) x += static_cast<const float*>(a.delta_bias.data)[d * a.delta_bias.stride[0]];
-          ddelta *= sigmoid(x);
-        }
+        const float ddelta = a.delta_softplus ? ddt * sigmoid(deltac[m] + bias[m]) : ddt;
         if (a.ddelta.data)
           store_from_float(a.ddelta.data, pl.seq_index(a.ddelta, d, t0 + s), a.ddelta.dtype, ddelta);
         sum_dyu[m] = fmaf(dy, u, sum_dyu[m]);
@@ -298,7 +320,7 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
 
 template <int kNpad>
 size_t selective_scan_bwd_smem_bytes() {
-  using Tr = ScanTraits<kNpad>;
+  using Tr = BwdTraits<kNpad>;
   return sizeof(float) * (2 * Tr::kT * Tr::kBCPitch + 3 * Tr::kK * Tr::kChanPitch +
                           3 * Tr::kT * Tr::kPartPitch + Tr::kWarps * Tr::kT * 2 * kNpad);
 }
@@ -306,7 +328,7 @@ size_t selective_scan_bwd_smem_bytes() {
 template <int kNpad>
 cudaError_t launch_selective_scan_bwd(const ScanArgs& a, const float* checkpoints,
                                       const BwdAccumulators& acc, cudaStream_t stream) {
-  using Tr = ScanTraits<kNpad>;
+  using Tr = BwdTraits<kNpad>;
   const ScanGrid g = make_scan_grid(a, Tr::kK, Tr::kT);
   const size_t smem = selective_scan_bwd_smem_bytes<kNpad>();
   if (smem > 48 * 1024) {

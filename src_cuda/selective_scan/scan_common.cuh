@@ -13,6 +13,15 @@ namespace ssm {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+// 2^x on the special function unit alone. exp2f adds range fix-ups for results below 2^-126;
+// flushing those to zero only drops state contributions that are already below float32's
+// normal range.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float softplus(float x) {
   return x <= 20.f ? log1pf(expf(x)) : x;
 }
@@ -74,49 +83,157 @@ struct StateConsts {
   }
 };
 
-// Stages B[b, g, :, t0 : t0 + kT] into dst[t * kBCPitch + n]. Threads walk steps fastest so the
-// global reads follow the (usually unit) sequence stride.
-template <typename Tr>
-__device__ void stage_bc(float* dst, const TensorRef& t, int64_t b, int64_t g, int64_t dstate,
-                         int64_t seqlen, int64_t t0) {
-  for (int i = threadIdx.x; i < Tr::kT * Tr::kNpad; i += Tr::kThreads) {
-    const int s = i % Tr::kT, n = i / Tr::kT;
-    float v = 0.f;
-    if (n < dstate && t0 + s < seqlen)
-      v = load_as_float(t.data,
-                        b * t.stride[0] + g * t.stride[1] + n * t.stride[2] + (t0 + s) * t.stride[3],
-                        t.dtype);
-    dst[s * Tr::kBCPitch + n] = v;
+// Loads K elements of one tensor as raw bits (a float32's bits, or a 16-bit value in the low
+// half). Converting right after the load would make the thread wait for it there; raw bits let
+// every load of a chunk stay in flight until the chunk is written to shared memory.
+template <int K>
+__device__ __forceinline__ void gather_raw(const void* p, Dtype dtype, const int64_t (&idx)[K],
+                                           const bool (&ok)[K], uint32_t (&out)[K]) {
+  if (dtype == Dtype::F32) {
+    const uint32_t* q = static_cast<const uint32_t*>(p);
+#pragma unroll
+    for (int k = 0; k < K; ++k) out[k] = ok[k] ? q[idx[k]] : 0u;
+  } else {
+    const uint16_t* q = static_cast<const uint16_t*>(p);
+#pragma unroll
+    for (int k = 0; k < K; ++k) out[k] = ok[k] ? uint32_t(q[idx[k]]) : 0u;
   }
 }
 
-// Stages u and dt = (softplus)(delta + delta_bias) of the block's channels for steps
-// [t0, t0 + kT) into su/sdt[c * kChanPitch + s]; with `dout` also dy = dout * silu(z) into sdy.
+__device__ __forceinline__ float raw_to_float(uint32_t raw, Dtype dtype) {
+  if (dtype == Dtype::F32) return __uint_as_float(raw);
+  if (dtype == Dtype::F16) return __half2float(__ushort_as_half(static_cast<unsigned short>(raw)));
+  return __uint_as_float(raw << 16);
+}
+
+// One chunk's inputs held in registers. Each chunk is loaded while the previous one computes,
+// so global-memory latency hides behind arithmetic instead of stalling every chunk.
+//   B/C element k of a thread: i = threadIdx.x + k * kThreads -> step i % kT, state i / kT
+//     (steps fastest: global reads follow the sequence stride).
+//   Slot m of a thread:        i = threadIdx.x + m * kThreads -> channel i / kT, step i % kT;
+//     the epilogue uses the same slots, so a thread keeps its slots' values in registers.
 template <typename Tr>
-__device__ void stage_channels(const ScanArgs& a, const BlockPlace<Tr>& pl, int64_t t0, float* su,
-                               float* sdt, float* sdy) {
-  for (int i = threadIdx.x; i < Tr::kK * Tr::kT; i += Tr::kThreads) {
-    const int c = i / Tr::kT, s = i % Tr::kT;
-    float u = 0.f, dt = 0.f, dy = 0.f;
-    if (c < pl.nvalid && t0 + s < a.seqlen) {
+struct ChunkInputs {
+  static constexpr int kBCPer = (Tr::kT * Tr::kNpad + Tr::kThreads - 1) / Tr::kThreads;
+  static constexpr int kSlots = (Tr::kK * Tr::kT + Tr::kThreads - 1) / Tr::kThreads;
+  uint32_t b[kBCPer], c[kBCPer];
+  uint32_t u[kSlots], delta[kSlots], z[kSlots], dout[kSlots];
+
+  __device__ float z_at(const ScanArgs& a, int m) const { return raw_to_float(z[m], a.z.dtype); }
+  __device__ float dout_at(const ScanArgs& a, int m) const {
+    return raw_to_float(dout[m], a.dout.dtype);
+  }
+  __device__ float delta_at(const ScanArgs& a, int m) const {
+    return raw_to_float(delta[m], a.delta.dtype);
+  }
+
+  // delta_bias and D of each slot's channel (0 where absent or padded).
+  __device__ static void slot_consts(const ScanArgs& a, const BlockPlace<Tr>& pl,
+                                     float (&bias)[kSlots], float (&D)[kSlots]) {
+#pragma unroll
+    for (int m = 0; m < kSlots; ++m) {
+      const int c = slot_channel(m);
       const int64_t d = pl.chan0 + c;
-      u = load_as_float(a.u.data, pl.seq_index(a.u, d, t0 + s), a.u.dtype);
-      dt = load_as_float(a.delta.data, pl.seq_index(a.delta, d, t0 + s), a.delta.dtype);
-      if (a.delta_bias.data) dt += static_cast<const float*>(a.delta_bias.data)[d * a.delta_bias.stride[0]];
-      if (a.delta_softplus) dt = softplus(dt);
-      if (sdy) {
-        dy = load_as_float(a.dout.data, pl.seq_index(a.dout, d, t0 + s), a.dout.dtype);
-        if (a.z.data) {
-          const float z = load_as_float(a.z.data, pl.seq_index(a.z, d, t0 + s), a.z.dtype);
-          dy *= z * sigmoid(z);
+      const bool ok = threadIdx.x + m * Tr::kThreads < Tr::kK * Tr::kT && c < pl.nvalid;
+      bias[m] = ok && a.delta_bias.data
+                    ? static_cast<const float*>(a.delta_bias.data)[d * a.delta_bias.stride[0]] : 0.f;
+      D[m] = ok && a.D.data ? static_cast<const float*>(a.D.data)[d * a.D.stride[0]] : 0.f;
+    }
+  }
+
+  __device__ static bool slot_valid(const ScanArgs& a, const BlockPlace<Tr>& pl, int m, int64_t t0) {
+    const int i = threadIdx.x + m * Tr::kThreads;
+    return i < Tr::kK * Tr::kT && i / Tr::kT < pl.nvalid && t0 + i % Tr::kT < a.seqlen;
+  }
+  __device__ static int slot_channel(int m) { return (threadIdx.x + m * Tr::kThreads) / Tr::kT; }
+  __device__ static int slot_step(int m) { return (threadIdx.x + m * Tr::kThreads) % Tr::kT; }
+
+  // `with_c`: stage C (the checkpoint replay does not need it); `with_dout`: backward inputs.
+  __device__ void load(const ScanArgs& a, const BlockPlace<Tr>& pl, int64_t t0, bool with_c,
+                       bool with_dout) {
+    int64_t idx[kBCPer];
+    bool ok[kBCPer];
+    if (!a.B_fixed || (with_c && !a.C_fixed)) {
+#pragma unroll
+      for (int k = 0; k < kBCPer; ++k) {
+        const int i = threadIdx.x + k * Tr::kThreads, s = i % Tr::kT, n = i / Tr::kT;
+        ok[k] = i < Tr::kT * Tr::kNpad && n < a.dstate && t0 + s < a.seqlen;
+        idx[k] = n * a.B.stride[2] + (t0 + s) * a.B.stride[3] + pl.b * a.B.stride[0] +
+                 pl.gB * a.B.stride[1];
+      }
+      if (!a.B_fixed) gather_raw(a.B.data, a.B.dtype, idx, ok, b);
+      if (with_c && !a.C_fixed) {
+#pragma unroll
+        for (int k = 0; k < kBCPer; ++k) {
+          const int i = threadIdx.x + k * Tr::kThreads, s = i % Tr::kT, n = i / Tr::kT;
+          idx[k] = n * a.C.stride[2] + (t0 + s) * a.C.stride[3] + pl.b * a.C.stride[0] +
+                   pl.gC * a.C.stride[1];
         }
+        gather_raw(a.C.data, a.C.dtype, idx, ok, c);
       }
     }
-    su[c * Tr::kChanPitch + s] = u;
-    sdt[c * Tr::kChanPitch + s] = dt;
-    if (sdy) sdy[c * Tr::kChanPitch + s] = dy;
+    int64_t sidx[kSlots];
+    bool sok[kSlots];
+#pragma unroll
+    for (int m = 0; m < kSlots; ++m) {
+      sok[m] = slot_valid(a, pl, m, t0);
+      sidx[m] = pl.seq_index(a.u, pl.chan0 + slot_channel(m), t0 + slot_step(m));
+    }
+    gather_raw(a.u.data, a.u.dtype, sidx, sok, u);
+#pragma unroll
+    for (int m = 0; m < kSlots; ++m)
+      sidx[m] = pl.seq_index(a.delta, pl.chan0 + slot_channel(m), t0 + slot_step(m));
+    gather_raw(a.delta.data, a.delta.dtype, sidx, sok, delta);
+#pragma unroll
+    for (int m = 0; m < kSlots; ++m) z[m] = dout[m] = 0u;
+    if (a.z.data && (with_c || with_dout)) {
+#pragma unroll
+      for (int m = 0; m < kSlots; ++m)
+        sidx[m] = pl.seq_index(a.z, pl.chan0 + slot_channel(m), t0 + slot_step(m));
+      gather_raw(a.z.data, a.z.dtype, sidx, sok, z);
+    }
+    if (with_dout) {
+#pragma unroll
+      for (int m = 0; m < kSlots; ++m)
+        sidx[m] = pl.seq_index(a.dout, pl.chan0 + slot_channel(m), t0 + slot_step(m));
+      gather_raw(a.dout.data, a.dout.dtype, sidx, sok, dout);
+    }
   }
-}
+
+  // Writes the chunk to shared memory: B/C rows [step][state], and per channel u and
+  // dt = (softplus)(delta + bias) at [c * kChanPitch + step]; with `sdy` also
+  // dy = dout * silu(z). `bias` holds delta_bias of each slot's channel.
+  __device__ void store(const ScanArgs& a, const BlockPlace<Tr>& pl, int64_t t0,
+                        const float (&bias)[kSlots], float* sB, float* sC, float* su, float* sdt,
+                        float* sdy) const {
+    if (!a.B_fixed || (sC && !a.C_fixed)) {
+#pragma unroll
+      for (int k = 0; k < kBCPer; ++k) {
+        const int i = threadIdx.x + k * Tr::kThreads;
+        if (i >= Tr::kT * Tr::kNpad) break;
+        const int at = (i % Tr::kT) * Tr::kBCPitch + i / Tr::kT;
+        if (!a.B_fixed) sB[at] = raw_to_float(b[k], a.B.dtype);
+        if (sC && !a.C_fixed) sC[at] = raw_to_float(c[k], a.C.dtype);
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kSlots; ++m) {
+      const int i = threadIdx.x + m * Tr::kThreads;
+      if (i >= Tr::kK * Tr::kT) break;
+      const int at = slot_channel(m) * Tr::kChanPitch + slot_step(m);
+      float dt = raw_to_float(delta[m], a.delta.dtype) + bias[m];
+      if (a.delta_softplus) dt = softplus(dt);
+      su[at] = raw_to_float(u[m], a.u.dtype);
+      // dt = 0 on padded slots keeps the state unchanged there (softplus(0) would not).
+      sdt[at] = slot_valid(a, pl, m, t0) ? dt : 0.f;
+      if (sdy) {
+        const float go = raw_to_float(dout[m], a.dout.dtype);
+        const float zz = raw_to_float(z[m], a.z.dtype);
+        sdy[at] = a.z.data ? go * zz * sigmoid(zz) : go;
+      }
+    }
+  }
+};
 
 template <int kN>
 __device__ __forceinline__ void load_states(float (&v)[kN], const float* src) {

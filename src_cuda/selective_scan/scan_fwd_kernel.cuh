@@ -11,10 +11,24 @@
 
 namespace ssm {
 
+#ifndef SSM_FWD_THREADS
+#define SSM_FWD_THREADS 128
+#define SSM_FWD_MINBLOCKS 4
+#define SSM_FWD_UNROLL 16
+#endif
+constexpr int kFwdUnroll = SSM_FWD_UNROLL;
 template <int kNpad>
-__global__ void __launch_bounds__(ScanTraits<kNpad>::kThreads)
+using FwdTraits = ScanTraits<kNpad, SSM_FWD_THREADS>;
+
+template <int kNpad>
+constexpr int fwd_min_blocks() {
+  return kNpad >= 16 && kNpad <= 128 ? SSM_FWD_MINBLOCKS : SSM_FWD_MINBLOCKS / 2;
+}
+
+template <int kNpad>
+__global__ void __launch_bounds__(FwdTraits<kNpad>::kThreads, fwd_min_blocks<kNpad>())
 selective_scan_fwd_kernel(const ScanArgs a, const ScanGrid g, float* __restrict__ checkpoints) {
-  using Tr = ScanTraits<kNpad>;
+  using Tr = FwdTraits<kNpad>;
   extern __shared__ float4 smem4[];
   float* sB = reinterpret_cast<float*>(smem4);
   float* sC = sB + Tr::kT * Tr::kBCPitch;
@@ -35,6 +49,13 @@ selective_scan_fwd_kernel(const ScanArgs a, const ScanGrid g, float* __restrict_
                                  a.initial_state.dtype)
                  : 0.f;
 
+    using In = ChunkInputs<Tr>;
+    float bias[In::kSlots], Dv[In::kSlots], zc[In::kSlots];
+    In::slot_consts(a, pl, bias, Dv);
+    const bool with_c = checkpoints == nullptr;
+    In in;
+    in.load(a, pl, 0, with_c, false);
+
     for (int64_t t0 = 0, chunk = 0; t0 < a.seqlen; t0 += Tr::kT, ++chunk) {
       if (checkpoints && pl.cvalid) {
         float* dst = checkpoints + ((pl.b * a.dim + pl.d) * g.nchunks + chunk) * kNpad + n0;
@@ -43,12 +64,13 @@ selective_scan_fwd_kernel(const ScanArgs a, const ScanGrid g, float* __restrict_
           *reinterpret_cast<float4*>(dst + j) = make_float4(h[j], h[j + 1], h[j + 2], h[j + 3]);
       }
       __syncthreads();  // the previous chunk's readers are done with shared memory
-      if (!a.B_fixed) stage_bc<Tr>(sB, a.B, pl.b, pl.gB, a.dstate, a.seqlen, t0);
-      if (!a.C_fixed && !checkpoints) stage_bc<Tr>(sC, a.C, pl.b, pl.gC, a.dstate, a.seqlen, t0);
-      stage_channels<Tr>(a, pl, t0, su, sdt, nullptr);
-      __syncthreads();
-
+      in.store(a, pl, t0, bias, sB, with_c ? sC : nullptr, su, sdt, nullptr);
 #pragma unroll
+      for (int m = 0; m < In::kSlots; ++m) zc[m] = in.z_at(a, m);
+      __syncthreads();
+      if (t0 + Tr::kT < a.seqlen) in.load(a, pl, t0 + Tr::kT, with_c, false);
+
+#pragma unroll kFwdUnroll
       for (int s = 0; s < Tr::kT; ++s) {
         const float dt = sdt[pl.c * Tr::kChanPitch + s];
         const float dtu = dt * su[pl.c * Tr::kChanPitch + s];
@@ -68,7 +90,7 @@ selective_scan_fwd_kernel(const ScanArgs a, const ScanGrid g, float* __restrict_
         float y = 0.f;
 #pragma unroll
         for (int j = 0; j < Tr::kNS; ++j) {
-          h[j] = fmaf(exp2f(dt * k.A2[j]), h[j], dtu * bv[j]);
+          h[j] = fmaf(exp2_approx(dt * k.A2[j]), h[j], dtu * bv[j]);
           y = fmaf(cv[j], h[j], y);
         }
         sy[s * Tr::kPartPitch + threadIdx.x] = y;
@@ -76,19 +98,16 @@ selective_scan_fwd_kernel(const ScanArgs a, const ScanGrid g, float* __restrict_
 
       if (checkpoints) continue;
       __syncthreads();
-      for (int i = threadIdx.x; i < Tr::kK * Tr::kT; i += Tr::kThreads) {
-        const int c = i / Tr::kT, s = i % Tr::kT;
-        if (c >= pl.nvalid || t0 + s >= a.seqlen) continue;
-        const int64_t d = pl.chan0 + c;
+#pragma unroll
+      for (int m = 0; m < In::kSlots; ++m) {
+        if (!In::slot_valid(a, pl, m, t0)) continue;
+        const int c = In::slot_channel(m), s = In::slot_step(m);
         float y = 0.f;
 #pragma unroll
         for (int q = 0; q < Tr::kP; ++q) y += sy[s * Tr::kPartPitch + c * Tr::kP + q];
-        if (a.D.data) y += static_cast<const float*>(a.D.data)[d * a.D.stride[0]] * su[c * Tr::kChanPitch + s];
-        if (a.z.data) {
-          const float z = load_as_float(a.z.data, pl.seq_index(a.z, d, t0 + s), a.z.dtype);
-          y *= z * sigmoid(z);
-        }
-        store_from_float(a.out.data, pl.seq_index(a.out, d, t0 + s), a.out.dtype, y);
+        y = fmaf(Dv[m], su[c * Tr::kChanPitch + s], y);
+        if (a.z.data) y *= zc[m] * sigmoid(zc[m]);
+        store_from_float(a.out.data, pl.seq_index(a.out, pl.chan0 + c, t0 + s), a.out.dtype, y);
       }
     }
 
@@ -105,14 +124,14 @@ selective_scan_fwd_kernel(const ScanArgs a, const ScanGrid g, float* __restrict_
 
 template <int kNpad>
 size_t selective_scan_fwd_smem_bytes() {
-  using Tr = ScanTraits<kNpad>;
+  using Tr = FwdTraits<kNpad>;
   return sizeof(float) * (2 * Tr::kT * Tr::kBCPitch + 2 * Tr::kK * Tr::kChanPitch +
                           Tr::kT * Tr::kPartPitch);
 }
 
 template <int kNpad>
 cudaError_t launch_selective_scan_fwd(const ScanArgs& a, float* checkpoints, cudaStream_t stream) {
-  using Tr = ScanTraits<kNpad>;
+  using Tr = FwdTraits<kNpad>;
   const ScanGrid g = make_scan_grid(a, Tr::kK, Tr::kT);
   const size_t smem = selective_scan_fwd_smem_bytes<kNpad>();
   if (smem > 48 * 1024) {

@@ -15,14 +15,14 @@
 
 namespace ssm {
 
-template <int kNpad_>
+template <int kNpad_, int kThreads_>
 struct ScanTraits {
   static constexpr int kNpad = kNpad_;
   // 4 states a thread reads B and C as one 16-byte shared-memory vector each; at 256 states 8
   // keep a channel within one warp (32 lanes).
   static constexpr int kNS = kNpad <= 128 ? 4 : 8;
   static constexpr int kP = kNpad / kNS;
-  static constexpr int kThreads = 128;
+  static constexpr int kThreads = kThreads_;
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kK = kThreads / kP;
   static constexpr int kW = 32 / kP;  // channels sharing a warp
@@ -37,6 +37,7 @@ struct ScanTraits {
   static_assert(kNpad >= 4 && kNpad <= 256 && (kNpad & (kNpad - 1)) == 0,
                 "kNpad must be a power of two in [4, 256]");
   static_assert(kP >= 1 && kP <= 32, "a channel's states must fit in one warp");
+  static_assert(kThreads % 32 == 0 && kThreads >= kP, "blocks are whole warps of whole channels");
   static_assert(kT % 4 == 0, "chunks are flushed as float4 along the sequence");
 };
 

@@ -23,10 +23,13 @@ constexpr double kReductionBudgetBytes = 256.0 * 1024 * 1024;
 float softplus(float x) { return x <= 20.f ? std::log1p(std::exp(x)) : x; }
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
-int max_threads() {
+// Threads for a call doing `work` state updates: starting an OpenMP team costs tens of
+// microseconds, more than small calls take on one thread, so those stay on the caller's thread.
+int max_threads(int64_t work) {
 #ifdef _OPENMP
-  return omp_get_max_threads();
+  return work < (int64_t(1) << 18) ? 1 : omp_get_max_threads();
 #else
+  (void)work;
   return 1;
 #endif
 }
@@ -275,7 +278,8 @@ struct ChannelBackward {
 
 ssm_status selective_scan_fwd_cpu(const ScanArgs& a) {
   const int64_t channels = a.batch * a.dim, N = a.dstate;
-  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(max_threads(), channels)));
+  const int threads = int(std::max<int64_t>(
+      1, std::min<int64_t>(max_threads(channels * a.seqlen * N), channels)));
   // Scratch is allocated here, outside the parallel region, so an allocation failure throws to
   // the entry point's guard instead of terminating inside OpenMP.
   std::vector<ChannelInputs> inputs(threads, ChannelInputs(a));
@@ -313,7 +317,8 @@ ssm_status selective_scan_fwd_cpu(const ScanArgs& a) {
 
 ssm_status selective_scan_bwd_cpu(const ScanArgs& a) {
   const int64_t channels = a.batch * a.dim;
-  int threads = int(std::max<int64_t>(1, std::min<int64_t>(max_threads(), channels)));
+  int threads = int(std::max<int64_t>(
+      1, std::min<int64_t>(max_threads(channels * a.seqlen * a.dstate), channels)));
   const double sum_bytes = GradSums::bytes(a);
   if (sum_bytes > 0)
     threads = int(std::max(1.0, std::min(double(threads), kReductionBudgetBytes / sum_bytes)));
