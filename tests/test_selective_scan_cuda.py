@@ -36,6 +36,13 @@ AWKWARD_ROWS = (
     FULL.replace(B_form="group", C_form="fixed", groups=2, seqlen=1),
 )
 LARGE = FULL.replace(batch=2, dim=64, seqlen=2049, dstate=16)
+# The forward has a narrow variant (more threads a channel) for grids under two blocks per SM;
+# these rows have enough channels (8 x 2048) for the wide one on any GPU of up to 256 SMs, so
+# both variants are checked whatever the small rows pick.
+WIDE_GRID_ROWS = (
+    FULL.replace(batch=8, dim=2048, seqlen=40, dstate=16),
+    FULL.replace(batch=8, dim=2048, seqlen=19, dstate=32, B_form="group", C_form="group", groups=2),
+)
 CUDA_ROWS = ROWS + AWKWARD_ROWS
 
 
@@ -97,6 +104,15 @@ def test_large(dtype, seed):
     forward_on_gpu_and_cpu(LARGE, inputs)
     dout, dlast = make_cotangents(LARGE, dtype, seed, device="cuda")
     backward_on_gpu_and_cpu(LARGE, inputs, dout, dlast)
+
+
+@pytest.mark.parametrize("case", WIDE_GRID_ROWS, ids=case_id)
+@dtypes
+def test_wide_grid(case, dtype, seed):
+    inputs = make_inputs(case, dtype, seed, device="cuda")
+    forward_on_gpu_and_cpu(case, inputs)
+    dout, dlast = make_cotangents(case, dtype, seed, device="cuda")
+    backward_on_gpu_and_cpu(case, inputs, dout, dlast)
 
 
 def test_mixed_dtypes(seed):

@@ -61,7 +61,7 @@ __device__ __forceinline__ void atomic_add4(float* dst, float4 v) {
 }
 
 template <int kNpad>
-using BwdTraits = ScanTraits<kNpad, 128>;
+using BwdTraits = ScanTraits<kNpad, 128, wide_states(kNpad)>;
 
 template <int kNpad>
 __global__ void __launch_bounds__(BwdTraits<kNpad>::kThreads)

@@ -237,10 +237,30 @@ struct ChunkInputs {
 
 template <int kN>
 __device__ __forceinline__ void load_states(float (&v)[kN], const float* src) {
+  if constexpr (kN % 4 == 0) {
 #pragma unroll
-  for (int j = 0; j < kN; j += 4) {
-    const float4 q = *reinterpret_cast<const float4*>(src + j);
-    v[j] = q.x; v[j + 1] = q.y; v[j + 2] = q.z; v[j + 3] = q.w;
+    for (int j = 0; j < kN; j += 4) {
+      const float4 q = *reinterpret_cast<const float4*>(src + j);
+      v[j] = q.x; v[j + 1] = q.y; v[j + 2] = q.z; v[j + 3] = q.w;
+    }
+  } else if constexpr (kN == 2) {
+    const float2 q = *reinterpret_cast<const float2*>(src);
+    v[0] = q.x; v[1] = q.y;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kN; ++j) v[j] = src[j];
+  }
+}
+
+template <int kN>
+__device__ __forceinline__ void store_states(float* dst, const float (&v)[kN]) {
+  if constexpr (kN % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < kN; j += 4)
+      *reinterpret_cast<float4*>(dst + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kN; ++j) dst[j] = v[j];
   }
 }
 

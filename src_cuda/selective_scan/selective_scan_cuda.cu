@@ -1,6 +1,7 @@
 // CUDA side of the selective scan: grid sizing, the backward workspace layout, dispatch of dstate
 // to the kNpad instantiations (instantiations/*.cu), and the pass that turns the backward's
 // float32 accumulators into the caller's gradient tensors.
+#include <atomic>
 #include <numeric>
 
 #include "../common/cuda_status.h"
@@ -71,10 +72,32 @@ cudaError_t dispatch_npad(int npad, Args&&... args) {
 
 template <int kNpad>
 struct FwdLaunch {
-  static cudaError_t run(const ScanArgs& a, float* checkpoints, cudaStream_t s) {
-    return launch_selective_scan_fwd<kNpad>(a, checkpoints, s);
+  static cudaError_t run(const ScanArgs& a, float* checkpoints, bool narrow, cudaStream_t s) {
+    if constexpr (narrow_states(kNpad) < wide_states(kNpad)) {
+      if (narrow) return launch_selective_scan_fwd<kNpad, narrow_states(kNpad)>(a, checkpoints, s);
+    }
+    return launch_selective_scan_fwd<kNpad, wide_states(kNpad)>(a, checkpoints, s);
   }
 };
+
+int multiprocessor_count(int device) {
+  static std::atomic<int> cached[64];  // zero: not asked yet
+  int n = device >= 0 && device < 64 ? cached[device].load(std::memory_order_relaxed) : 0;
+  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
+      device >= 0 && device < 64)
+    cached[device].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+// The narrow forward gives a channel 4x the threads at ~1.5x the instructions per state update;
+// it wins while the wide grid has fewer than two blocks per SM (measured at batch 1, dim 2048).
+bool use_narrow_forward(const ScanArgs& a, int device) {
+  const int npad = scan_npad(a.dstate);
+  const int channels_per_block = 128 * wide_states(npad) / npad;
+  const ScanGrid g = make_scan_grid(a, channels_per_block, scan_chunk_steps(npad));
+  const int64_t blocks = a.batch * (a.dim / g.cell) * g.tiles_per_cell;
+  return blocks < 2 * int64_t(multiprocessor_count(device));
+}
 
 template <int kNpad>
 struct BwdLaunch {
@@ -152,6 +175,7 @@ ssm_status selective_scan_fwd_cuda(const ScanArgs& a, int device, void*, void* s
   CudaDeviceGuard guard(device);
   if (guard.status() != SSM_SUCCESS) return guard.status();
   return cuda_status(dispatch_npad<FwdLaunch>(scan_npad(a.dstate), a, nullptr,
+                                              use_narrow_forward(a, device),
                                               static_cast<cudaStream_t>(stream)),
                      "selective_scan_fwd launch");
 }
@@ -181,7 +205,7 @@ ssm_status selective_scan_bwd_cuda(const ScanArgs& a, int device, void* workspac
     ScanArgs replay = a;
     replay.out.data = nullptr;
     replay.last_state.data = nullptr;
-    st = cuda_status(dispatch_npad<FwdLaunch>(L.npad, replay, checkpoints, s),
+    st = cuda_status(dispatch_npad<FwdLaunch>(L.npad, replay, checkpoints, false, s),
                      "selective_scan_bwd checkpoint pass");
     if (st != SSM_SUCCESS) return st;
     st = cuda_status(dispatch_npad<BwdLaunch>(L.npad, a, checkpoints, acc, s),
