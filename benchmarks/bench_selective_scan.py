@@ -2,7 +2,7 @@
 imports) and a pure-PyTorch sequential reference, on the rows of PERFORMANCE.md.
 
 For each row: forward and forward+backward time (median of CUDA-event timings after warm-up),
-the ratio peer/libssm (> 1 means libssm is faster), and the peak memory the forward allocates
+the ratio peer/libssm (> 1 means libssm is faster), and the peak memory allocated beyond the inputs by the forward and by forward+backward (gradients included)
 beyond its inputs. Also the host overhead of one eager libssm call. Prints a table last and
 writes the numbers to benchmarks/results/selective_scan_<gpu>.json.
 
@@ -114,7 +114,14 @@ def measure(impl, row, reps):
         call(impl, xg).backward(dout)
 
     both = median_ms(fwd_bwd, reps)
-    return dict(fwd_ms=fwd, fwd_bwd_ms=both, fwd_peak_extra_mb=peak_mb)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    both_peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return dict(fwd_ms=fwd, fwd_bwd_ms=both, fwd_peak_extra_mb=peak_mb,
+                fwd_bwd_peak_extra_mb=both_peak_mb)
 
 
 def host_overhead_us(calls=20000):
@@ -168,7 +175,8 @@ def main():
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
     print(f"\nselective scan on {gpu} (ms, median of CUDA events; ratio = peer / libssm)")
     print("| batch, dim, seqlen, dstate | dtype | libssm fwd | mamba fwd | ratio | libssm fwd+bwd "
-          "| mamba fwd+bwd | ratio | libssm peak MB | mamba peak MB | torch ref fwd |")
+          "| mamba fwd+bwd | ratio | fwd peak MB libssm / mamba | fwd+bwd peak MB libssm / mamba "
+          "| torch ref fwd |")
     print("|" + " --- |" * 11)
     for batch, dim, seqlen, dstate, dtype in rows:
         key = (batch, dim, seqlen, dstate, str(dtype).removeprefix("torch."))
@@ -177,7 +185,9 @@ def main():
         print(f"| {batch}, {dim}, {seqlen}, {dstate} | {key[4]} | {fmt(lf, '.3f')} | {fmt(mf, '.3f')} "
               f"| {fmt(mf and mf / lf, '.2f')} | {fmt(lb, '.3f')} | {fmt(mb, '.3f')} "
               f"| {fmt(mb and mb / lb, '.2f')} | {fmt(find('libssm', 'fwd_peak_extra_mb', key), '.1f')} "
-              f"| {fmt(find('mamba_ssm', 'fwd_peak_extra_mb', key), '.1f')} "
+              f"/ {fmt(find('mamba_ssm', 'fwd_peak_extra_mb', key), '.1f')} "
+              f"| {fmt(find('libssm', 'fwd_bwd_peak_extra_mb', key), '.0f')} "
+              f"/ {fmt(find('mamba_ssm', 'fwd_bwd_peak_extra_mb', key), '.0f')} "
               f"| {fmt(find('torch_ref', 'fwd_ms', key), '.2f')} |")
     print(f"\nhost overhead of one eager libssm.torch call: {overhead:.2f} us; results in {out}")
 

@@ -11,7 +11,7 @@
 #endif
 
 #ifndef SSM_VERSION_STRING
-#define SSM_VERSION_STRING "0.1.0"
+#error "SSM_VERSION_STRING must come from the build (CMake reads it from pyproject.toml)"
 #endif
 
 namespace {

@@ -5,7 +5,7 @@ namespace ssm {
 
 ssm_status cuda_status(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return SSM_SUCCESS;
-  // Clear the sticky-free "last error" so a later unrelated check does not report this one.
+  // Clear the non-sticky "last error" so a later unrelated check does not report this one.
   cudaGetLastError();
   return fail(SSM_ERROR_CUDA, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
 }

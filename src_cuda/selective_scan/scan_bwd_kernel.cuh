@@ -3,7 +3,7 @@
 // A block walks its kK channels' chunks from last to first. For a chunk it restarts h from the
 // checkpoint the forward-in-checkpoint-mode pass left at the chunk start, recomputes the kT
 // states of every step into registers, then runs the adjoint recurrence backwards:
-//   mu_t = exp(dt_t A) mu_(t+1)... (carried as `mu`, pre-multiplied by exp(dt_(t+1) A)) + C_t dy_t
+//   mu_t = exp(dt_(t+1) A) mu_(t+1) + C_t dy_t   (`mu` carries the first term between steps)
 // and emits each step's gradient terms. Sums over states (ddt, du, and y for dz) go through
 // per-step partials in shared memory; sums over channels (variable dB, dC) are first reduced
 // across the warp's channels with shuffles, then across warps in shared memory, then added to
@@ -84,7 +84,8 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
   float* sy = sdu + kT * Tr::kPartPitch;
   float* sbc = sy + kT * Tr::kPartPitch;         // [warp][kT][2][kNpad] dB, dC over the warp's channels
 
-  const bool var_bc = !a.B_fixed || !a.C_fixed;
+  // The shuffle reduction of variable dB/dC runs only when one of them is requested.
+  const bool var_bc = (!a.B_fixed && acc.dB) || (!a.C_fixed && acc.dC);
   const int warp = threadIdx.x / 32, cw = (threadIdx.x % 32) / Tr::kP;
 
   for (int64_t batch = blockIdx.y; batch < a.batch; batch += gridDim.y) {
@@ -229,8 +230,8 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
       if (var_bc) {
         for (int i = threadIdx.x; i < 2 * kNpad * (kT / 4); i += Tr::kThreads) {
           const int s4 = (i % (kT / 4)) * 4, n = (i / (kT / 4)) % kNpad, which = i / (kT / 4) / kNpad;
-          const bool fixed = which == 0 ? a.B_fixed : a.C_fixed;
-          if (fixed || n >= a.dstate) continue;
+          const bool skip = which == 0 ? a.B_fixed || !acc.dB : a.C_fixed || !acc.dC;
+          if (skip || n >= a.dstate) continue;
           float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
           for (int w = 0; w < Tr::kWarps; ++w) {
@@ -329,6 +330,7 @@ template <int kNpad>
 cudaError_t launch_selective_scan_bwd(const ScanArgs& a, const float* checkpoints,
                                       const BwdAccumulators& acc, cudaStream_t stream) {
   using Tr = BwdTraits<kNpad>;
+  static_assert(Tr::kT == scan_chunk_steps(kNpad), "checkpoints are laid out every kT steps");
   const ScanGrid g = make_scan_grid(a, Tr::kK, Tr::kT);
   const size_t smem = selective_scan_bwd_smem_bytes<kNpad>();
   if (smem > 48 * 1024) {

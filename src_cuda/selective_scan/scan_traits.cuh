@@ -75,7 +75,9 @@ inline int scan_npad(int64_t dstate) {
   return n;
 }
 
-inline int scan_chunk_steps(int npad) { return 64 / wide_states(npad); }
+// Steps per backward chunk, i.e. the checkpoint interval the workspace is sized for; the
+// backward launcher asserts it equals its traits' kT.
+constexpr int scan_chunk_steps(int npad) { return 64 / wide_states(npad); }
 
 ScanGrid make_scan_grid(const ScanArgs& a, int channels_per_block, int chunk_steps);
 

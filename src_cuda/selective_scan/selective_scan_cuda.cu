@@ -83,9 +83,13 @@ struct FwdLaunch {
 int multiprocessor_count(int device) {
   static std::atomic<int> cached[64];  // zero: not asked yet
   int n = device >= 0 && device < 64 ? cached[device].load(std::memory_order_relaxed) : 0;
-  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
-      device >= 0 && device < 64)
-    cached[device].store(n, std::memory_order_relaxed);
+  if (n == 0) {
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();  // or the next launch would report this failure as its own
+      return 0;
+    }
+    if (device >= 0 && device < 64) cached[device].store(n, std::memory_order_relaxed);
+  }
   return n;
 }
 
@@ -171,7 +175,6 @@ size_t selective_scan_fwd_cuda_workspace(const ScanArgs&) { return 0; }
 size_t selective_scan_bwd_cuda_workspace(const ScanArgs& a) { return BwdLayout(a).total; }
 
 ssm_status selective_scan_fwd_cuda(const ScanArgs& a, int device, void*, void* stream) {
-  if (a.batch == 0) return SSM_SUCCESS;
   CudaDeviceGuard guard(device);
   if (guard.status() != SSM_SUCCESS) return guard.status();
   return cuda_status(dispatch_npad<FwdLaunch>(scan_npad(a.dstate), a, nullptr,
@@ -188,11 +191,12 @@ ssm_status selective_scan_bwd_cuda(const ScanArgs& a, int device, void* workspac
   char* ws = static_cast<char*>(workspace);
   float* checkpoints = reinterpret_cast<float*>(ws + L.checkpoints);
   BwdAccumulators acc;
-  acc.dA = reinterpret_cast<float*>(ws + L.dA);
-  acc.dD = a.D.data ? reinterpret_cast<float*>(ws + L.dD) : nullptr;
-  acc.ddelta_bias = a.delta_bias.data ? reinterpret_cast<float*>(ws + L.ddelta_bias) : nullptr;
-  acc.dB = reinterpret_cast<float*>(ws + L.dB);
-  acc.dC = reinterpret_cast<float*>(ws + L.dC);
+  // Only requested gradients are summed: a null accumulator skips its reductions and atomics.
+  acc.dA = a.dA.data ? reinterpret_cast<float*>(ws + L.dA) : nullptr;
+  acc.dD = a.dD.data ? reinterpret_cast<float*>(ws + L.dD) : nullptr;
+  acc.ddelta_bias = a.ddelta_bias.data ? reinterpret_cast<float*>(ws + L.ddelta_bias) : nullptr;
+  acc.dB = a.dB.data ? reinterpret_cast<float*>(ws + L.dB) : nullptr;
+  acc.dC = a.dC.data ? reinterpret_cast<float*>(ws + L.dC) : nullptr;
   acc.seqlen_padded = L.seqlen_padded;
 
   ssm_status st = cuda_status(

@@ -80,9 +80,12 @@ SSM_API ssm_status ssm_selective_scan_bwd_workspace_size(
  *       ddelta_bias (dim,) float32; dinitial_state (batch, dim, dstate).
  *       Any gradient may be NULL to skip it; a gradient given for an input that is NULL
  *       (dD without D, ...) is an error. Gradients are written, not accumulated into.
- *       dB and dC (variable forms), dA, dD and ddelta_bias are sums over channels, batches
- *       or steps taken with floating-point atomics on CUDA, so their last bits may differ
- *       from run to run.
+ *       dA, dB, dC, dD and ddelta_bias are sums over channels or batches taken with
+ *       floating-point atomics on CUDA, so their last bits may differ from run to run.
+ * Memory: the CUDA backward recomputes the forward; its workspace holds the state every k
+ *       steps, 4 * batch * dim * npad * ceil(seqlen / k) bytes (k = 16, or 8 at dstate > 128;
+ *       npad = dstate rounded up to a power of two >= 4), plus float32 sums of dA, dB, dC, dD
+ *       and ddelta_bias.
  * [in]  workspace: at least ssm_selective_scan_bwd_workspace_size bytes, 256-byte aligned,
  *       on the tensors' device; stream as for the forward. */
 SSM_API ssm_status ssm_selective_scan_bwd(

@@ -1,5 +1,5 @@
-/* libssm: the public C API, all areas. Link with -lssm (pkg-config libssm, or CMake
- * find_package(libssm) and target libssm::ssm). */
+/* libssm: the public C API, all areas. Link through pkg-config (libssm) or CMake
+ * (find_package(libssm), target libssm::ssm); there is no libssm.so link name to -lssm against. */
 #ifndef LIBSSM_SSM_H_
 #define LIBSSM_SSM_H_
 
