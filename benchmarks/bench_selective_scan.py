@@ -2,11 +2,12 @@
 imports) and a pure-PyTorch sequential reference, on the rows of PERFORMANCE.md.
 
 For each row: forward and forward+backward time (median of CUDA-event timings after warm-up),
-the ratio peer/libssm (> 1 means libssm is faster), and the peak memory allocated beyond the inputs by the forward and by forward+backward (gradients included)
-beyond its inputs. Also the host overhead of one eager libssm call. Prints a table last and
-writes the numbers to benchmarks/results/selective_scan_<gpu>.json.
+the ratio peer/libssm (> 1 means libssm is faster), and the peak memory allocated beyond the
+inputs by the forward and by forward+backward (gradients included). Also the host overhead of
+one eager libssm call. Prints a table last and writes the numbers to
+benchmarks/results/selective_scan_<gpu>.json.
 
-    python benchmarks/bench_selective_scan.py [--reps 50] [--rows all|quick]
+    python benchmarks/bench_selective_scan.py [--reps 50] [--rows all|quick] [--impls libssm,...]
 """
 import argparse
 import json
