@@ -1,6 +1,8 @@
 """pytest setup for libssm's suites: the `cuda` marker (tests that need a GPU and a libssm built
-with CUDA; skipped, with the reason, when either is missing) and shared fixtures."""
+with CUDA; skipped, with the reason, when either is missing) and shared fixtures (seeds, and
+the external tools some tests need)."""
 import os
+import shutil
 import sys
 
 import pytest
@@ -48,3 +50,19 @@ def pytest_collection_modifyitems(config, items):
 def seed(request):
     """A fixed seed per test id: reruns see the same inputs, different tests different ones."""
     return seed_for(request.node.nodeid)
+
+
+@pytest.fixture
+def require_tools():
+    """require_tools("cmake", "cc"): skips the test when a tool is not on PATH, except under CI
+    (CI=true), where a missing tool fails it: CI must not pass with these tests silently
+    skipped."""
+    def require(*tools):
+        missing = [t for t in tools if shutil.which(t) is None]
+        if not missing:
+            return
+        reason = "needs %s (not found on PATH)" % ", ".join(missing)
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(reason + "; CI=true, so this is a failure, not a skip")
+        pytest.skip(reason)
+    return require

@@ -6,7 +6,6 @@ versions, a forward scan on host memory against its own scalar loop, and a faili
 
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
@@ -53,9 +52,8 @@ def check_program(program):
     assert out.strip().endswith("ok"), out
 
 
-@pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("cc") is None,
-                    reason="needs cmake and a C compiler")
-def test_cmake_find_package(tmp_path):
+def test_cmake_find_package(tmp_path, require_tools):
+    require_tools("cmake", "cc")
     prefix = package_prefix()
     build = tmp_path / "build"
     out = run(["cmake", "-S", SOURCE, "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
@@ -68,9 +66,8 @@ def test_cmake_find_package(tmp_path):
     check_program(str(build / "ssm_c_consumer"))
 
 
-@pytest.mark.skipif(shutil.which("pkg-config") is None or shutil.which("cc") is None,
-                    reason="needs pkg-config and a C compiler")
-def test_pkg_config(tmp_path):
+def test_pkg_config(tmp_path, require_tools):
+    require_tools("pkg-config", "cc")
     prefix = package_prefix()
     env = dict(os.environ, PKG_CONFIG_PATH=os.path.join(prefix, "lib", "pkgconfig"))
     version = run(["pkg-config", "--modversion", "libssm"], env=env).strip()

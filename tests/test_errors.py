@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import libssm
-from references import ScanCase
+import libssm.torch as ssm_torch
+from references import INPUT_NAMES, ScanCase
 from scan_harness import CApi
 
 BATCH, DIM, SEQLEN, DSTATE = 2, 6, 5, 4
@@ -243,6 +244,50 @@ def test_backward_bad_input(row, framework):
     assert snapshot(x) == before
 
 
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+def test_backward_bad_gradient_buffer(framework):
+    # out= of the backward is checked like the forward's: a dB of the wrong shape is refused,
+    # named, and no buffer (all NaN-poisoned, the valid ones too) is written.
+    x = valid_inputs()
+    del x["out"]
+    x["dout"] = torch.randn(BATCH, DIM, SEQLEN)
+    for name in ("u", "A", "D", "initial_state"):
+        x["d" + name] = torch.full_like(x[name], NAN)
+    x["dB"] = torch.full((BATCH, DSTATE, SEQLEN + 1), NAN)
+    x = as_framework(x, framework)
+    before = snapshot(x)
+    with pytest.raises(libssm.ShapeError) as excinfo:
+        libssm.selective_scan_bwd(x["u"], x["delta"], x["A"], x["B"], x["C"], x["dout"],
+                                  x["D"], x["z"], x["delta_bias"], delta_softplus=True,
+                                  initial_state=x["initial_state"],
+                                  out={n: x[n] for n in ("du", "dA", "dB", "dD",
+                                                         "dinitial_state")})
+    check_error(excinfo, libssm.ShapeError, "dB", ["(2, 4, 5)"])
+    assert snapshot(x) == before
+
+
+@pytest.mark.parametrize("api", [libssm.selective_scan, ssm_torch.selective_scan],
+                         ids=["generic", "torch"])
+@pytest.mark.parametrize("name", ["u", "delta", "B"])
+def test_sparse_tensor(api, name):
+    # torch itself raises a bare RuntimeError for a sparse tensor's data pointer; libssm names
+    # the argument first.
+    x = valid_inputs()
+    x[name] = x[name].to_sparse()
+    with pytest.raises(libssm.LayoutError) as excinfo:
+        api(x["u"], x["delta"], x["A"], x["B"], x["C"])
+    check_error(excinfo, libssm.LayoutError, name, ["sparse", "strided"])
+
+
+def test_meta_tensor_among_real_ones():
+    x = valid_inputs()
+    x["delta"] = x["delta"].to("meta")
+    for api in (libssm.selective_scan, ssm_torch.selective_scan):
+        with pytest.raises(libssm.DeviceError) as excinfo:
+            api(x["u"], x["delta"], x["A"], x["B"], x["C"])
+        check_error(excinfo, libssm.DeviceError, "delta", ["meta"])
+
+
 def test_exceptions_are_python_builtins_too():
     assert issubclass(libssm.ShapeError, ValueError) and issubclass(libssm.DTypeError, TypeError)
     assert issubclass(libssm.CudaError, RuntimeError)
@@ -319,6 +364,20 @@ def test_c_misaligned_data():
                      overrides={"z": api.dltensor(x["z"], data=x["z"].data_ptr() + 2)})
 
 
+@pytest.mark.parametrize("name", ["delta", "B", "initial_state", "out"])
+def test_c_mixed_devices(name):
+    # One tensor claims to live on a GPU while u is on the CPU. Its data pointer is host memory,
+    # harmless: the device check comes before any access, so this runs without a GPU or a CUDA
+    # build.
+    api = CApi()
+    x, out = c_inputs()
+    x["out"] = out
+    address = api.dltensor(x[name])
+    api.ffi.cast("DLTensor *", address).device.device_type = 2  # kDLCUDA, device 0
+    c_forward_raises(libssm.DeviceError, name, ["cuda:0", "cpu"], api=api,
+                     overrides={name: address})
+
+
 def test_c_unsupported_device_type():
     api = CApi()
     x, _ = c_inputs()
@@ -331,9 +390,8 @@ def test_c_unsupported_device_type():
 def c_backward_status(api, grads, x=None):
     x = x or c_inputs()[0]
     dout = torch.randn(BATCH, DIM, SEQLEN)
-    names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
-    dl = [api.dltensor(x.get(n)) for n in names]
-    dg = [grads.get("d" + n, 0) for n in names]
+    dl = [api.dltensor(x.get(n)) for n in INPUT_NAMES]
+    dg = [grads.get("d" + n, 0) for n in INPUT_NAMES]
     return api.lib.ssm_selective_scan_bwd(api.params(True), *dl, api.dltensor(dout), 0, *dg,
                                           0, 0, 0)
 
@@ -409,13 +467,20 @@ def test_c_last_error_describes_the_last_call_only():
 
 def test_c_status_strings():
     api = CApi()
-    names = {0: "SSM_SUCCESS", 1: "SSM_ERROR_INVALID_ARGUMENT", 2: "SSM_ERROR_SHAPE",
-             3: "SSM_ERROR_DTYPE", 4: "SSM_ERROR_DEVICE", 5: "SSM_ERROR_LAYOUT",
-             6: "SSM_ERROR_UNSUPPORTED", 7: "SSM_ERROR_WORKSPACE", 8: "SSM_ERROR_CUDA",
-             9: "SSM_ERROR_INTERNAL"}
-    for status, name in names.items():
-        assert api.ffi.string(api.lib.ssm_status_string(status)).decode() == name
-    assert api.ffi.string(api.lib.ssm_status_string(99)).decode() == "unknown status"
+    # Each exception class carries the code of its enum constant, and the codes are distinct.
+    names = {libssm.InvalidArgumentError: "SSM_ERROR_INVALID_ARGUMENT",
+             libssm.ShapeError: "SSM_ERROR_SHAPE", libssm.DTypeError: "SSM_ERROR_DTYPE",
+             libssm.DeviceError: "SSM_ERROR_DEVICE", libssm.LayoutError: "SSM_ERROR_LAYOUT",
+             libssm.UnsupportedError: "SSM_ERROR_UNSUPPORTED",
+             libssm.WorkspaceError: "SSM_ERROR_WORKSPACE", libssm.CudaError: "SSM_ERROR_CUDA",
+             libssm.InternalError: "SSM_ERROR_INTERNAL"}
+    string = lambda status: api.ffi.string(api.lib.ssm_status_string(status)).decode()
+    assert string(api.lib.SSM_SUCCESS) == "SSM_SUCCESS"
+    for cls, name in names.items():
+        assert cls.status_code == getattr(api.lib, name)
+        assert string(cls.status_code) == name
+    assert len({cls.status_code for cls in names} | {api.lib.SSM_SUCCESS}) == len(names) + 1
+    assert string(99) == "unknown status"
 
 
 def test_error_messages_are_per_thread():

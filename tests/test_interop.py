@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import libssm
-from references import make_cotangents, make_inputs
+from references import INPUT_NAMES, make_cotangents, make_inputs
 from scan_harness import FULL, check_backward, check_forward, run_backward, run_forward, to_numpy
 
 CASE = FULL
@@ -64,7 +64,7 @@ def test_numpy_in_numpy_out(dtype, seed):
     check_forward(CASE, inputs, out, last_state)
     dout, dlast = make_cotangents(CASE, dtype, seed)
     grads = run_backward(CASE, np_inputs, to_numpy(dout), to_numpy(dlast))
-    for name in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state"):
+    for name in INPUT_NAMES:
         assert type(getattr(grads, "d" + name)) is np.ndarray
         assert getattr(grads, "d" + name).dtype == np_inputs[name].dtype
     check_backward(CASE, inputs, dout, dlast, grads)
@@ -150,6 +150,27 @@ def test_stream_argument_on_cpu_is_accepted(seed):
     # path, since an explicit stream is given).
     inputs = make_inputs(CASE, torch.float32, seed)
     check_forward(CASE, inputs, *run_forward(CASE, inputs, stream=0))
+
+
+class CudaClaimingProducer(VersionedProducer):
+    """An unknown producer's array on CUDA device 0 (only claimed: nothing may read it)."""
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_cuda_array_of_unknown_producer_needs_stream(op, seed):
+    # libssm cannot ask an unknown producer (or JAX) for its current stream and never falls
+    # back to stream 0: stream= is required, and the call fails before touching any array.
+    inputs = wrap_all(make_inputs(CASE, torch.float32, seed), CudaClaimingProducer)
+    with pytest.raises(libssm.InvalidArgumentError) as excinfo:
+        if op == "fwd":
+            run_forward(CASE, inputs)
+        else:
+            run_backward(CASE, inputs, inputs["u"], None)
+    assert str(excinfo.value).startswith("stream:"), str(excinfo.value)
+    assert all(not w.requests for w in inputs.values() if w is not None)
 
 
 def test_jax_in_jax_out(seed):

@@ -239,6 +239,45 @@ def test_out_different_dtype(seed):
     assert_close("out", out, torch.from_numpy(ref), plain)
 
 
+@pytest.mark.parametrize("form", ["namedtuple", "tuple", "dict"])
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+def test_backward_out_given(form, framework, seed):
+    # Buffers for a subset of the gradients (one strided) are written and returned as given;
+    # the others are allocated as without out=.
+    case = FULL
+    inputs = make_inputs(case, torch.float32, seed)
+    dout, dlast = make_cotangents(case, torch.float32, seed)
+    given = {"dB": poisoned_like(inputs["B"]), "dD": poisoned_like(inputs["D"]),
+             "dinitial_state": transposed_poison(inputs["initial_state"].shape, torch.float32)}
+    fw_inputs = inputs
+    if framework == "numpy":
+        fw_inputs = {k: to_numpy(v) for k, v in inputs.items()}
+        given = {k: to_numpy(v) for k, v in given.items()}
+        dout_fw, dlast_fw = to_numpy(dout), to_numpy(dlast)
+    else:
+        dout_fw, dlast_fw = dout, dlast
+    names = libssm.SelectiveScanGrads._fields
+    out = {"namedtuple": libssm.SelectiveScanGrads(*(given.get(n) for n in names)),
+           "tuple": tuple(given.get(n) for n in names), "dict": given}[form]
+    grads = run_backward(case, fw_inputs, dout_fw, dlast_fw, out=out)
+    for name in names:
+        if name in given:
+            assert getattr(grads, name) is given[name], name
+        else:
+            assert type(getattr(grads, name)) is type(given["dB"]), name
+    check_backward(case, inputs, dout, dlast, grads)
+
+
+@pytest.mark.parametrize("out", [{"dq": None}, (None,) * 8, [None] * 10, "du"],
+                         ids=["unknown-name", "short-tuple", "long-list", "str"])
+def test_backward_out_malformed(out, seed):
+    inputs = make_inputs(FULL, torch.float32, seed)
+    dout, dlast = make_cotangents(FULL, torch.float32, seed)
+    with pytest.raises(libssm.InvalidArgumentError) as excinfo:
+        run_backward(FULL, inputs, dout, dlast, out=out)
+    assert str(excinfo.value).startswith("out:"), str(excinfo.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Batch 0, and every gradient written (C entry points with NaN-poisoned buffers).
 

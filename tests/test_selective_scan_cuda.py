@@ -157,6 +157,26 @@ def test_strided_output_buffers(case, seed):
                    libssm.SelectiveScanGrads(**{k: v.cpu() for k, v in grads.items()}))
 
 
+@pytest.mark.parametrize("explicit_stream", [False, True], ids=["direct", "dlpack"])
+def test_backward_out_given(explicit_stream, seed):
+    # Buffers for a subset of the gradients (one strided) are written on the GPU and returned
+    # as given; the others are allocated there. stream= sends torch tensors down the DLPack
+    # path instead of the direct one, so both are covered.
+    case = FULL
+    inputs = make_inputs(case, torch.float32, seed, device="cuda")
+    dout, dlast = make_cotangents(case, torch.float32, seed, device="cuda")
+    given = {"du": poisoned_like(inputs["u"]), "dA": poisoned_like(inputs["A"]),
+             "dB": transposed_poison(inputs["B"].shape, torch.float32, "cuda")}
+    extra = {"stream": torch.cuda.current_stream()} if explicit_stream else {}
+    grads = run_backward(case, inputs, dout, dlast, out=given, **extra)
+    torch.cuda.synchronize()
+    for name, buffer in given.items():
+        assert getattr(grads, name) is buffer, name
+    assert all(g is None or g.is_cuda for g in grads)
+    check_backward(case, to_cpu(inputs), dout.cpu(), dlast.cpu(),
+                   libssm.SelectiveScanGrads(*(None if g is None else g.cpu() for g in grads)))
+
+
 @pytest.mark.parametrize("case", [FULL.replace(batch=0),
                                   FULL.replace(batch=0, B_form="fixed", C_form="fixed")],
                          ids=case_id)
@@ -281,3 +301,37 @@ def test_extreme_delta_and_z(dtype, seed):
     forward_on_gpu_and_cpu(case, inputs)
     dout, dlast = make_cotangents(case, dtype, seed, device="cuda")
     backward_on_gpu_and_cpu(case, inputs, dout, dlast)
+
+
+def test_offsets_past_int32():
+    """batch * dim * seqlen > 2^31, so element offsets into u, delta, out, du, ddelta and the
+    backward's checkpoints leave int32 range (where mamba_ssm's kernels wrap around). The last
+    channels, whose offsets are the largest, are checked against the CPU path run on those
+    channels alone; dA sums over both batches of the same channels."""
+    batch, dim, seqlen, dstate = 2, 40000, 27000, 4
+    assert batch * dim * seqlen > 2**31
+    g = torch.Generator(device="cuda").manual_seed(7)
+    r = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", generator=g).to(dt)
+    u, delta = r(batch, dim, seqlen), r(batch, dim, seqlen)
+    A = -torch.rand(dim, dstate, device="cuda", generator=g) - 0.5
+    B, C = r(batch, dstate, seqlen), r(batch, dstate, seqlen)
+    D, bias = r(dim, dt=torch.float32), r(dim, dt=torch.float32)
+    out = libssm.selective_scan(u, delta, A, B, C, D, None, bias, delta_softplus=True)
+    dout = r(batch, dim, seqlen)
+    grads = libssm.selective_scan_bwd(u, delta, A, B, C, dout, D, None, bias, delta_softplus=True)
+
+    last = slice(dim - 3, dim)
+    cpu = lambda t: t.cpu().contiguous()
+    args = (cpu(u[:, last]), cpu(delta[:, last]), cpu(A[last]), cpu(B), cpu(C), cpu(D[last]),
+            None, cpu(bias[last]))
+    want_out = libssm.selective_scan(*args, delta_softplus=True)
+    want = libssm.selective_scan_bwd(*args[:5], cpu(dout[:, last]), *args[5:], delta_softplus=True)
+
+    def rel(got, ref):
+        got, ref = got.cpu().double(), ref.double()
+        return ((got - ref).norm() / ref.norm()).item()
+
+    assert rel(out[:, last], want_out) < 1e-2
+    assert rel(grads.du[:, last], want.du) < 1e-2
+    assert rel(grads.ddelta[:, last], want.ddelta) < 1e-2
+    assert rel(grads.dA[last], want.dA) < 1e-4

@@ -115,6 +115,19 @@ def test_no_options_and_no_last_state(seed):
     check_backward(case, inputs, dout, None, grads_of(x))
 
 
+def test_mamba_positional_call_ports(seed):
+    # mamba_ssm's selective_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus) call
+    # binds the same way; return_last_state and initial_state are keyword-only, so a positional
+    # return_last_state (which selective_scan_fn allows) fails rather than becoming initial_state.
+    case = FULL.replace(initial_state=False, last_state=False)
+    x = make_inputs(case, torch.float32, seed)
+    args = (x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"], x["delta_bias"])
+    torch.testing.assert_close(ssm_torch.selective_scan(*args, True),
+                               ssm_torch.selective_scan(*args, delta_softplus=True))
+    with pytest.raises(TypeError):
+        ssm_torch.selective_scan(*args, True, True)
+
+
 # ---------------------------------------------------------------------------------------------
 # The registered ops.
 
@@ -211,6 +224,35 @@ def test_compile_dynamic_shapes(seed, fresh_compile):
         assert got[0].shape == (case.batch, case.dim, seqlen)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_compile_generic_api_fullgraph(seed, fresh_compile):
+    # libssm.selective_scan / selective_scan_bwd on tensors inside torch.compile trace as the
+    # registered ops: fullgraph=True fails on any graph break. out= buffers are honoured.
+    inputs = make_inputs(FULL, torch.float32, seed)
+    dout, dlast = make_cotangents(FULL, torch.float32, seed)
+    x = [inputs[n] for n in INPUT_NAMES]
+
+    def step(u, delta, A, B, C, D, z, delta_bias, initial_state, out, dB):
+        y, last = libssm.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True,
+                                        initial_state=initial_state, return_last_state=True,
+                                        out=out)
+        grads = libssm.selective_scan_bwd(u, delta, A, B, C, dout, D, z, delta_bias,
+                                          delta_softplus=True, initial_state=initial_state,
+                                          dlast_state=dlast, out={"dB": dB})
+        return y, last, grads
+
+    def run(fn):
+        out, dB = torch.full_like(x[0], float("nan")), torch.full_like(x[3], float("nan"))
+        y, last, grads = fn(*x, out, dB)
+        torch.testing.assert_close(out, y)
+        torch.testing.assert_close(dB, grads.dB)
+        return (y, last) + tuple(grads)
+
+    eager = run(step)
+    compiled = run(torch.compile(step, fullgraph=True, backend="aot_eager"))
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------

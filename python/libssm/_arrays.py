@@ -3,14 +3,14 @@ live, which stream the caller is working on, and how to allocate outputs and wor
 caller's own allocator so results come back as the caller's array type on the caller's device."""
 
 import contextlib
+import functools
 import importlib
 import sys
 
 from . import _packer
 from .errors import DeviceError, DTypeError, InvalidArgumentError
 
-CPU, CUDA = 1, 2  # DLPack device types libssm runs on
-_HOST_TYPES = (1, 3)  # kDLCPU, kDLCUDAHost: readable by the CPU path
+CPU, CUDA = 1, 2  # DLPack device types libssm runs on (the C layer refuses kDLCUDAHost too)
 
 
 def framework(obj):
@@ -46,17 +46,32 @@ def stream_handle(stream):
                                "or an object with __cuda_stream__; got %s" % type(stream).__name__)
 
 
+@functools.lru_cache(maxsize=None)
+def torch_raw_stream():
+    """torch's `device index -> current cudaStream_t as an int`. The private C binding is used
+    where it exists because it builds no Stream object on the per-call path; a torch without it
+    gets the same value from the public API."""
+    import torch
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda device_id: torch.cuda.current_stream(device_id).cuda_stream
+
+
 def current_stream(fw, device_id):
-    """The stream the caller's framework is working on for this CUDA device (0 when the
-    framework has no notion of one: JAX, or an unknown producer)."""
+    """The stream the caller's framework (torch or cupy) is working on for this CUDA device.
+    Other producers (JAX, unknown ones) give no way to ask, and guessing stream 0 would race
+    with the caller's own streams (and escape CUDA graph capture), so `stream=` is required."""
     if fw == "torch":
-        import torch
-        return torch._C._cuda_getCurrentRawStream(device_id)
+        return torch_raw_stream()(device_id)
     if fw == "cupy":
         import cupy
         with cupy.cuda.Device(device_id):
             return cupy.cuda.get_current_stream().ptr
-    return 0
+    raise InvalidArgumentError(
+        "stream: required for CUDA arrays from %s, whose current stream libssm cannot know; "
+        "pass stream= (a cudaStream_t int, a torch or cupy stream, or an object with "
+        "__cuda_stream__)" % (fw or "an unknown producer"))
 
 
 def producer_stream(stream):
@@ -79,8 +94,8 @@ def _backing_framework(device_type):
             return name
         except ImportError:
             pass
-    raise DeviceError("libssm needs torch or cupy to allocate CUDA outputs for JAX arrays; "
-                      "install one, or pass out=")
+    raise DeviceError("u: a JAX array on CUDA; libssm allocates its outputs there with torch or "
+                      "cupy, and neither is installed")
 
 
 class Allocator:
@@ -91,7 +106,7 @@ class Allocator:
         self.device_type, self.device_id = device_type, device_id
         self.backing = self.caller if self.caller in ("torch", "numpy", "cupy") else \
             _backing_framework(device_type)
-        if self.backing == "numpy" and device_type not in _HOST_TYPES:
+        if self.backing == "numpy" and device_type != CPU:
             raise DeviceError("u: arrays on DLPack device type %d are not supported"
                               % device_type)
         self.module = _module(self.backing)
@@ -121,7 +136,7 @@ class Allocator:
             yield
         elif self.backing == "torch":
             torch = self.module
-            if torch._C._cuda_getCurrentRawStream(self.device_id) == self.stream:
+            if torch_raw_stream()(self.device_id) == self.stream:
                 yield
             else:
                 with torch.cuda.stream(torch.cuda.ExternalStream(self.stream,
@@ -180,14 +195,18 @@ class Allocator:
         return array
 
 
-_DLPACK_KINDS = {"f": 2, "i": 0, "u": 1, "b": 6, "c": 5}
+# (DLPack type code, bits) by dtype name, the same in numpy, cupy, ml_dtypes and torch.
+_DLPACK_DTYPES = {
+    "float16": (2, 16), "float32": (2, 32), "float64": (2, 64), "bfloat16": (4, 16),
+    "complex64": (5, 64), "complex128": (5, 128), "bool": (6, 8),
+    "int8": (0, 8), "int16": (0, 16), "int32": (0, 32), "int64": (0, 64),
+    "uint8": (1, 8), "uint16": (1, 16), "uint32": (1, 32), "uint64": (1, 64),
+}
 
 
 def dlpack_dtype(dtype, name):
-    """(DLPack type code, bits) of a numpy or cupy dtype."""
-    if str(dtype) == "bfloat16":
-        return 4, 16
-    code = _DLPACK_KINDS.get(dtype.kind)
-    if code is None:
-        raise DTypeError("%s: dtype %s has no DLPack equivalent" % (name, dtype))
-    return code, 8 * dtype.itemsize
+    """(DLPack type code, bits) of a numpy, cupy or torch dtype."""
+    code_bits = _DLPACK_DTYPES.get(str(dtype).rpartition(".")[2])  # torch.float32 -> float32
+    if code_bits is None:
+        raise DTypeError("%s: dtype %s has no DLPack equivalent libssm accepts" % (name, dtype))
+    return code_bits

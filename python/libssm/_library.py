@@ -10,7 +10,7 @@ import threading
 import cffi
 
 from . import _cdef, _packer
-from .errors import error_for_status
+from .errors import bind_status_codes, error_for_status
 
 LIBRARY_NAME = "libssm.so.0"
 ENV_VAR = "LIBSSM_LIBRARY"
@@ -57,6 +57,7 @@ class Library:
         if self.header_abi is not None and self.abi != self.header_abi:
             raise ImportError("libssm: %s has ABI version %d but the headers in %s declare %d"
                               % (self.path, self.abi, self.header_dir, self.header_abi))
+        bind_status_codes(self.lib)
         self.version = self.ffi.string(self.lib.ssm_version()).decode()
         # The two option sets the Python layer uses, built once; index by delta_softplus.
         self._scan_params = []

@@ -4,7 +4,7 @@ written from the formula alone, so it shares nothing with the library it checks.
 
 import numpy as np
 
-INPUT_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
+from .selective_scan import INPUT_NAMES
 
 
 def _per_channel(BC, dim):

@@ -12,27 +12,20 @@ import ctypes
 
 import torch
 
-from . import _dlpack, _library, _packer
-from .errors import DTypeError, DeviceError, ShapeError
+from . import _arrays, _dlpack, _library, _packer
+from .errors import DeviceError, LayoutError, ShapeError, WorkspaceError
+from .selective_scan import INPUT_NAMES, SelectiveScanGrads
 
-_DTYPES = {
-    torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16),
-    torch.float64: (2, 64), torch.complex64: (5, 64), torch.complex128: (5, 128),
-    torch.int8: (0, 8), torch.int16: (0, 16), torch.int32: (0, 32), torch.int64: (0, 64),
-    torch.uint8: (1, 8), torch.bool: (6, 8),
-}
-INPUT_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
-GRAD_NAMES = ("du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias", "dinitial_state")
-_WORKSPACE_ERROR = 7  # SSM_ERROR_WORKSPACE
+GRAD_NAMES = SelectiveScanGrads._fields
 
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_raw_stream = _arrays.torch_raw_stream()
 _empty = torch.empty
 _empty_like = torch.empty_like
 _uint8 = torch.uint8
 _float32 = torch.float32
 _contiguous = torch.contiguous_format
-_PACKERS, _MAX_NDIM, _SLOT_SIZE = _packer.PACKERS, _packer.MAX_NDIM, _packer.SLOT_SIZE
-_SHAPE_OFFSET, _STRIDES_OFFSET = _packer.SHAPE_OFFSET, _packer.STRIDES_OFFSET
+_strided = torch.strided
+_MAX_NDIM, _SLOT_SIZE = _packer.MAX_NDIM, _packer.SLOT_SIZE
 
 
 class _ExchangeAPIHead(ctypes.Structure):
@@ -65,6 +58,7 @@ class _State:
         self.lib = self.library.lib
         self.params = self.library.scan_params
         self.slots = self.library.slots
+        self.workspace_error = WorkspaceError.status_code
 
 
 _state = None
@@ -78,28 +72,25 @@ def _get_state():
 
 
 def _pack(slots, index, name, t):
-    """Packs t into slot `index` in Python; returns the DLTensor's address."""
-    dtype = _DTYPES.get(t.dtype)
-    if dtype is None:
-        raise DTypeError("%s: torch dtype %s has no DLPack equivalent libssm accepts"
-                         % (name, t.dtype))
+    """Packs t into slot `index` in Python; returns the DLTensor's address. Tensors libssm
+    cannot take are refused here, naming the argument, before torch is asked for a data
+    pointer or strides they do not have (a sparse or meta tensor raises a bare RuntimeError)."""
+    if t.layout != _strided:
+        raise LayoutError("%s: %s tensors are not supported; expected a dense (strided) tensor"
+                          % (name, t.layout))
     if t.is_cuda:
-        device_type, device_id = 2, t.get_device()
+        device_type, device_id = _arrays.CUDA, t.get_device()
     elif t.is_cpu:
-        device_type, device_id = 1, 0
+        device_type, device_id = _arrays.CPU, 0
     else:
-        raise DeviceError("%s: tensors on device '%s' are not supported (cpu or cuda)"
+        raise DeviceError("%s: tensors on device '%s' are not supported; expected cpu or cuda"
                           % (name, t.device))
-    shape = t.shape
-    ndim = len(shape)
-    if ndim > _MAX_NDIM:
-        raise ShapeError("%s: expected at most %d dimensions, got %d" % (name, _MAX_NDIM, ndim))
-    offset = index * _SLOT_SIZE
-    address = slots.base + offset
-    _PACKERS[ndim](slots.buffer, offset, t.data_ptr(), device_type, device_id, ndim, dtype[0],
-                   dtype[1], 1, address + _SHAPE_OFFSET, address + _STRIDES_OFFSET, 0, *shape,
-                   *t.stride())
-    return address
+    code, bits = _arrays.dlpack_dtype(t.dtype, name)
+    if t.dim() > _MAX_NDIM:
+        raise ShapeError("%s: expected at most %d dimensions, got %d" % (name, _MAX_NDIM,
+                                                                          t.dim()))
+    return _packer.pack(slots, index, t.data_ptr(), device_type, device_id, code, bits, t.shape,
+                        t.stride())
 
 
 _torch_dltensor = _torch_dltensor_function()
@@ -156,7 +147,7 @@ def _run(state, kind, args, u):
         if nbytes:
             ws, address = _workspace(nbytes, u)
     status = op(*args, address, nbytes, stream)
-    if status == _WORKSPACE_ERROR and not nbytes:
+    if status == state.workspace_error and not nbytes:
         _needs_workspace[(kind, cuda)] = True
         nbytes = _query(state, kind, args)
         ws, address = _workspace(nbytes, u)
@@ -194,9 +185,10 @@ def fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, retu
 
 
 def bwd(u, delta, A, B, C, dout, D, z, delta_bias, initial_state, dlast_state, delta_softplus,
-        mask=None):
+        mask=None, out=None):
     """The 9 gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state); an entry
-    is None where its input is None or mask (9 bools) leaves it out, and is then not computed."""
+    is None where its input is None or mask (9 bools) leaves it out, and is then not computed.
+    out: 9 entries, a tensor to write that gradient into or None to allocate it."""
     state = _state or _get_state()
     slots = state.slots
     inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
@@ -207,10 +199,11 @@ def bwd(u, delta, A, B, C, dout, D, z, delta_bias, initial_state, dlast_state, d
     args.append(describe(slots, 10, "dlast_state", dlast_state))
     grads = [None] * 9
     for i, x in enumerate(inputs):
-        if x is not None and (mask is None or mask[i]):
-            g = grads[i] = _empty_like(x, memory_format=_contiguous)
-            args.append(describe(slots, 11 + i, GRAD_NAMES[i], g))
-        else:
-            args.append(0)
+        g = None if out is None else out[i]
+        if g is None and x is not None and (mask is None or mask[i]):
+            g = _empty_like(x, memory_format=_contiguous)
+        # A buffer given for an absent input is passed on: the library refuses it, naming it.
+        grads[i] = g
+        args.append(describe(slots, 11 + i, GRAD_NAMES[i], g))
     _run(state, "bwd", args, u)
     return tuple(grads)

@@ -4,7 +4,9 @@ The op is registered with torch.library as libssm::selective_scan_fwd and
 libssm::selective_scan_bwd (custom ops with fake implementations and autograd), so it runs
 under torch.compile(fullgraph=True) with no graph break and inside CUDA graphs. Eager calls skip
 the dispatcher (it adds ~10-15 us a call) and call the direct implementation, through an
-autograd.Function when a gradient is wanted; both paths share one gradient formula."""
+autograd.Function when a gradient is wanted; both paths share one gradient formula.
+libssm.selective_scan and selective_scan_bwd on tensors under torch.compile call the ops
+through compiled_fwd and compiled_bwd here."""
 
 from typing import List, Optional, Tuple
 
@@ -12,6 +14,8 @@ import torch
 from torch import Tensor
 
 from . import _torch_direct
+from .errors import InvalidArgumentError
+from .selective_scan import SelectiveScanGrads
 
 __all__ = ["selective_scan"]
 
@@ -112,14 +116,20 @@ class _SelectiveScanFunction(torch.autograd.Function):
         return grads + (None, None)
 
 
-def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, *,
                    initial_state=None, return_last_state=False):
     """Selective scan (Mamba-1), differentiable in every tensor input (initial_state too); the
     gradient of last_state is honoured. Shapes as for libssm.selective_scan: u, delta, z
     (batch, dim, seqlen); A (dim, dstate) float32; B, C (batch, dstate, seqlen),
     (batch, groups, dstate, seqlen) or (dim, dstate); D, delta_bias (dim,) float32;
     initial_state (batch, dim, dstate). Returns out, or (out, last_state) when
-    return_last_state. CUDA work runs on torch's current stream."""
+    return_last_state. CUDA work runs on torch's current stream.
+
+    The arguments up to delta_softplus may be positional, in the order of mamba_ssm's
+    selective_scan_fn, so its call sites (`selective_scan_fn(u, delta, A, B, C, D, z,
+    delta_bias, True)`) port unchanged; initial_state and return_last_state are keyword-only,
+    so a call passing return_last_state positionally, as selective_scan_fn allows, fails
+    instead of binding it to initial_state."""
     delta_softplus, return_last_state = bool(delta_softplus), bool(return_last_state)
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     path = _DISPATCHER if _is_compiling() else _eager_path(tensors)
@@ -157,3 +167,33 @@ def _eager_path(tensors):
     if tensors[0].is_meta or _functorch_active():
         return _DISPATCHER
     return _AUTOGRAD if wants_grad else _DIRECT
+
+
+def compiled_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
+                 return_last_state, out):
+    """libssm.selective_scan on tensors while torch.compile traces: the registered op, which
+    the compiler keeps in its graph, where the direct call would break it. (out, last_state or
+    None); a given out is filled by a copy, the op having no out= of its own."""
+    result, last_state = torch.ops.libssm.selective_scan_fwd(
+        u, delta, A, B, C, D, z, delta_bias, initial_state, bool(delta_softplus),
+        bool(return_last_state))
+    if out is not None:
+        result = out.copy_(result)
+    return result, (last_state if return_last_state else None)
+
+
+def compiled_bwd(u, delta, A, B, C, dout, D, z, delta_bias, initial_state, dlast_state,
+                 delta_softplus, out):
+    """libssm.selective_scan_bwd on tensors while torch.compile traces, as compiled_fwd: the
+    9 gradients, those with a buffer in `out` (9 entries) copied into it."""
+    inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    for x, buffer, name in zip(inputs, out, SelectiveScanGrads._fields):
+        if x is None and buffer is not None:
+            # The op would ignore the buffer; the eager path's library check refuses it.
+            raise InvalidArgumentError("%s: given, but %s is None; a gradient needs its input"
+                                       % (name, name[1:]))
+    grads = torch.ops.libssm.selective_scan_bwd(
+        u, delta, A, B, C, dout, D, z, delta_bias, initial_state, dlast_state,
+        bool(delta_softplus), [x is not None for x in inputs])
+    return tuple(None if x is None else g if buffer is None else buffer.copy_(g)
+                 for x, g, buffer in zip(inputs, grads, out))
