@@ -11,19 +11,24 @@
 
 namespace ssm {
 
+// Narrow blocks take 256 threads (8 channels of 32 lanes): B/C staging is shared by twice the
+// channels of a 128-thread block, and at batch 1 that took (1, 2048, 512, 32) from 0.085 to
+// 0.072 ms (16 steps a chunk: 0.079).
 template <int kNpad, int kNS>
-using FwdTraits = ScanTraits<kNpad, 128, kNS>;
+using FwdTraits = ScanTraits<kNpad, kNS < wide_states(kNpad) ? 256 : 128, kNS>;
 
-// 4 resident blocks (16 warps) per SM cap registers at 128: the unrolled chunk would take ~170
-// for hoisted loads and leave 3 blocks to hide exp and load latency (measured 15-25% slower).
-// Below 16 and at 256 states a thread's slots or states need more than 128 registers.
-template <int kNpad>
+// Wide: 4 resident blocks (16 warps) per SM cap registers at 128; the unrolled chunk would take
+// ~170 for hoisted loads and leave 3 blocks to hide exp and load latency (measured 15-25% slower).
+// Below 16 and at 256 states a thread's slots or states need more than 128 registers. Narrow:
+// 2 blocks of 256 threads, the same 128-register cap.
+template <int kNpad, int kNS>
 constexpr int fwd_min_blocks() {
+  if (kNS < wide_states(kNpad)) return 2;
   return kNpad >= 16 && kNpad <= 128 ? 4 : 2;
 }
 
 template <int kNpad, int kNS>
-__global__ void __launch_bounds__(128, fwd_min_blocks<kNpad>())
+__global__ void __launch_bounds__(FwdTraits<kNpad, kNS>::kThreads, fwd_min_blocks<kNpad, kNS>())
 selective_scan_fwd_kernel(const ScanArgs a, const ScanGrid g, float* __restrict__ checkpoints) {
   using Tr = FwdTraits<kNpad, kNS>;
   extern __shared__ float4 smem4[];
