@@ -7,7 +7,7 @@ import torch
 
 import libssm
 from references import (ALL_OPTIONS, INPUT_NAMES, ScanCase, assert_close, assert_close_to,
-                        reference_outputs, selective_scan_numpy)
+                        make_inputs, reference_outputs, selective_scan_numpy)
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -313,3 +313,16 @@ def mamba_layout(inputs, case):
     for name in ("u", "z", "B", "C"):
         assert torch.equal(views[name], inputs[name]), name
     return views
+
+
+def extreme_delta_and_z(case, dtype, seed):
+    """Inputs whose delta and z sit far out on both sides: softplus(100) is 100 while exp(100)
+    overflows float32 (a softplus without a threshold gives inf), and softplus(-100) and
+    silu(-100) vanish."""
+    inputs = make_inputs(case, dtype, seed)
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.tensor([-100.0, -30.0, -5.0, 0.0, 5.0, 19.0, 21.0, 30.0, 100.0])
+    for name in ("delta", "z"):
+        picks = torch.randint(0, len(spread), inputs[name].shape, generator=g)
+        inputs[name] = spread[picks].to(dtype)
+    return inputs
