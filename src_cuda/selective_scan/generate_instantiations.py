@@ -1,7 +1,7 @@
 """Writes instantiations/*.cu: one explicit instantiation per kernel variant, so the kernels
-compile in parallel. The variant space (must match FwdLaunch/dispatch_npad in
-selective_scan_cuda.cu): every padded state size for the backward and the wide forward, and the
-narrow forward for the sizes where it has fewer states a thread than the wide one."""
+compile in parallel. The variant space (must match FwdLaunch/BwdLaunch/dispatch_npad in
+selective_scan_cuda.cu): the wide forward and backward for every padded state size, and the
+narrow ones for the sizes where they have fewer states a thread than the wide ones."""
 from pathlib import Path
 
 NPADS = (4, 8, 16, 32, 64, 128, 256)
@@ -16,7 +16,7 @@ def narrow_states(npad):
 
 
 FWD = "template cudaError_t launch_selective_scan_fwd<{n}, {ns}>(const ScanArgs&, float*, cudaStream_t);"
-BWD = ("template cudaError_t launch_selective_scan_bwd<{n}>(const ScanArgs&, const float*,\n"
+BWD = ("template cudaError_t launch_selective_scan_bwd<{n}, {ns}>(const ScanArgs&, const float*,\n"
        "                                                    const BwdAccumulators&, cudaStream_t);")
 
 variants = []
@@ -26,7 +26,11 @@ for n in NPADS:
     if narrow_states(n) < wide_states(n):
         variants.append((f"fwd_n{n}_narrow", "scan_fwd_kernel.cuh", FWD.format(n=n, ns=narrow_states(n)),
                          f"forward, dstate <= {n}, {narrow_states(n)} state(s) a thread"))
-    variants.append((f"bwd_n{n}", "scan_bwd_kernel.cuh", BWD.format(n=n), f"backward, dstate <= {n}"))
+    variants.append((f"bwd_n{n}", "scan_bwd_kernel.cuh", BWD.format(n=n, ns=wide_states(n)),
+                     f"backward, dstate <= {n}, {wide_states(n)} states a thread"))
+    if narrow_states(n) < wide_states(n):
+        variants.append((f"bwd_n{n}_narrow", "scan_bwd_kernel.cuh", BWD.format(n=n, ns=narrow_states(n)),
+                         f"backward, dstate <= {n}, {narrow_states(n)} state(s) a thread"))
 
 out = Path(__file__).with_name("instantiations")
 out.mkdir(exist_ok=True)

@@ -60,14 +60,14 @@ __device__ __forceinline__ void atomic_add4(float* dst, float4 v) {
 #endif
 }
 
-template <int kNpad>
-using BwdTraits = ScanTraits<kNpad, 128, wide_states(kNpad)>;
+template <int kNpad, int kNS>
+using BwdTraits = ScanTraits<kNpad, 128, kNS, scan_chunk_steps(kNpad)>;
 
-template <int kNpad>
-__global__ void __launch_bounds__(BwdTraits<kNpad>::kThreads)
+template <int kNpad, int kStates>
+__global__ void __launch_bounds__(BwdTraits<kNpad, kStates>::kThreads)
 selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __restrict__ checkpoints,
                           const BwdAccumulators acc) {
-  using Tr = BwdTraits<kNpad>;
+  using Tr = BwdTraits<kNpad, kStates>;
   constexpr int kNS = Tr::kNS, kT = Tr::kT, kV = 2 * kNS;
   using Reduce = WarpChannelReduce<Tr::kW, Tr::kP, kV>;
   // Each thread owns the (channel, step) slots i = threadIdx.x + m * kThreads of the epilogue.
@@ -319,28 +319,27 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
   }
 }
 
-template <int kNpad>
+template <int kNpad, int kNS>
 size_t selective_scan_bwd_smem_bytes() {
-  using Tr = BwdTraits<kNpad>;
+  using Tr = BwdTraits<kNpad, kNS>;
   return sizeof(float) * (2 * Tr::kT * Tr::kBCPitch + 3 * Tr::kK * Tr::kChanPitch +
                           3 * Tr::kT * Tr::kPartPitch + Tr::kWarps * Tr::kT * 2 * kNpad);
 }
 
-template <int kNpad>
+template <int kNpad, int kNS>
 cudaError_t launch_selective_scan_bwd(const ScanArgs& a, const float* checkpoints,
                                       const BwdAccumulators& acc, cudaStream_t stream) {
-  using Tr = BwdTraits<kNpad>;
-  static_assert(Tr::kT == scan_chunk_steps(kNpad), "checkpoints are laid out every kT steps");
+  using Tr = BwdTraits<kNpad, kNS>;
   const ScanGrid g = make_scan_grid(a, Tr::kK, Tr::kT);
-  const size_t smem = selective_scan_bwd_smem_bytes<kNpad>();
+  const size_t smem = selective_scan_bwd_smem_bytes<kNpad, kNS>();
   if (smem > 48 * 1024) {
-    cudaError_t err = cudaFuncSetAttribute(selective_scan_bwd_kernel<kNpad>,
+    cudaError_t err = cudaFuncSetAttribute(selective_scan_bwd_kernel<kNpad, kNS>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) return err;
   }
   const dim3 grid(unsigned(g.tiles_per_cell * (a.dim / g.cell)),
                   unsigned(a.batch < 65535 ? a.batch : 65535));
-  selective_scan_bwd_kernel<kNpad><<<grid, Tr::kThreads, smem, stream>>>(a, g, checkpoints, acc);
+  selective_scan_bwd_kernel<kNpad, kNS><<<grid, Tr::kThreads, smem, stream>>>(a, g, checkpoints, acc);
   return cudaGetLastError();
 }
 

@@ -3,8 +3,9 @@
 // A block runs kK channels of one batch through the sequence chunk by chunk: stage B, C, u, dt
 // of kT steps in shared memory; each thread advances its kNS states with exp2 on the special
 // function unit and writes its partial <C, h> per step; the epilogue sums the kP partials of a
-// channel, adds D*u, applies the z gate and stores out. With `checkpoints` set it instead
-// records h at every chunk start (the backward's restart points) and writes no output.
+// channel, adds D*u, applies the z gate and stores out. With `checkpoints` set (wide kernel only:
+// its chunks are the backward's) it instead records h at every chunk start, the backward's
+// restart points, and writes no output.
 #pragma once
 
 #include "scan_common.cuh"
@@ -15,7 +16,8 @@ namespace ssm {
 // channels of a 128-thread block, and at batch 1 that took (1, 2048, 512, 32) from 0.085 to
 // 0.072 ms (16 steps a chunk: 0.079).
 template <int kNpad, int kNS>
-using FwdTraits = ScanTraits<kNpad, kNS < wide_states(kNpad) ? 256 : 128, kNS>;
+using FwdTraits = ScanTraits<kNpad, kNS < wide_states(kNpad) ? 256 : 128, kNS,
+                             kNS < wide_states(kNpad) ? 32 : scan_chunk_steps(kNpad)>;
 
 // Wide: 4 resident blocks (16 warps) per SM cap registers at 128; the unrolled chunk would take
 // ~170 for hoisted loads and leave 3 blocks to hide exp and load latency (measured 15-25% slower).

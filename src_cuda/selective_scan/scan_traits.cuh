@@ -1,11 +1,11 @@
 // Compile-time shape of the selective-scan kernels and the host-side grid that goes with it.
 //
-// kNpad (dstate rounded up to a power of two >= 4) and kNS (states a thread owns) fix everything:
-// kP = kNpad / kNS lanes cover a channel's states, a block of kThreads holds kK channels and
-// walks the sequence in chunks of kT steps, staging B, C, u and dt of a chunk in float32 shared
-// memory. dtype, optional tensors and B/C forms are run-time branches. Instantiations: the
-// backward at the wide kNS for 7 sizes; the forward wide for 7 sizes and narrow (more threads
-// per channel, for grids too small to fill the GPU) for the 5 sizes up to 64: 19 kernels.
+// kNpad (dstate rounded up to a power of two >= 4), kNS (states a thread owns) and kT (steps a
+// chunk) fix everything: kP = kNpad / kNS lanes cover a channel's states, a block of kThreads
+// holds kK channels and walks the sequence chunk by chunk, staging B, C, u and dt of a chunk in
+// float32 shared memory. dtype, optional tensors and B/C forms are run-time branches.
+// Instantiations: forward and backward, wide for the 7 sizes and narrow (more threads a channel,
+// for grids too small to fill the GPU) for the 5 sizes up to 64: 24 kernels.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -16,14 +16,18 @@
 
 namespace ssm {
 
+// Steps per backward chunk, which is also the checkpoint interval the backward workspace is
+// sized for: the wide backward keeps h of a whole chunk in registers, kT * kNS = 64 floats.
+__host__ __device__ constexpr int scan_chunk_steps(int npad) { return npad <= 128 ? 16 : 8; }
+
 // 4 states a thread read B and C as one 16-byte shared-memory vector each; at 256 states 8 keep
 // a channel within one warp (32 lanes).
-constexpr int wide_states(int npad) { return npad <= 128 ? 4 : 8; }
+__host__ __device__ constexpr int wide_states(int npad) { return npad <= 128 ? 4 : 8; }
 // One state a thread (two at 64) quadruples the threads of a channel: for a batch of 1 that turns
 // 128 blocks (one per SM, nothing to hide latency behind) into 512.
-constexpr int narrow_states(int npad) { return npad <= 32 ? 1 : npad / 32; }
+__host__ __device__ constexpr int narrow_states(int npad) { return npad <= 32 ? 1 : npad / 32; }
 
-template <int kNpad_, int kThreads_, int kNS_>
+template <int kNpad_, int kThreads_, int kNS_, int kT_>
 struct ScanTraits {
   static constexpr int kNpad = kNpad_;
   static constexpr int kNS = kNS_;
@@ -32,10 +36,7 @@ struct ScanTraits {
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kK = kThreads / kP;
   static constexpr int kW = 32 / kP;  // channels sharing a warp
-  // The backward keeps h of a whole chunk in registers: kT * kNS = 64 floats at the wide kNS.
-  // The narrow forward takes 32 steps a chunk: half the barriers and staging rounds of 16, which
-  // is what bounds it at batch 1 (0.095 -> 0.085 ms on (1, 2048, 512, 32); 64 gave 0.093).
-  static constexpr int kT = kNS >= 4 ? 64 / kNS : 32;
+  static constexpr int kT = kT_;
   // Row pitches in floats. B/C rows stay 16-byte aligned for vector reads and the +4 spreads the
   // staging writes (consecutive steps) over banks; the +1 pitches make column walks conflict-free.
   static constexpr int kBCPitch = kNpad + 4;
@@ -75,9 +76,7 @@ inline int scan_npad(int64_t dstate) {
   return n;
 }
 
-// Steps per backward chunk, i.e. the checkpoint interval the workspace is sized for; the
-// backward launcher asserts it equals its traits' kT.
-constexpr int scan_chunk_steps(int npad) { return 64 / wide_states(npad); }
+
 
 ScanGrid make_scan_grid(const ScanArgs& a, int channels_per_block, int chunk_steps);
 
@@ -86,7 +85,7 @@ ScanGrid make_scan_grid(const ScanArgs& a, int channels_per_block, int chunk_ste
 template <int kNpad, int kNS>
 cudaError_t launch_selective_scan_fwd(const ScanArgs& a, float* checkpoints, cudaStream_t stream);
 
-template <int kNpad>
+template <int kNpad, int kNS>
 cudaError_t launch_selective_scan_bwd(const ScanArgs& a, const float* checkpoints,
                                       const BwdAccumulators& acc, cudaStream_t stream);
 

@@ -93,10 +93,10 @@ int multiprocessor_count(int device) {
   return n;
 }
 
-// The narrow forward gives a channel 4x the threads at ~1.5x the instructions per state update;
-// it wins while the wide grid has fewer than two blocks per SM (batch 1, dim 2048, dstate 32:
-// 0.122 ms wide, 0.072 narrow; the game-AI rows, 512 and 1024 wide blocks, stay wide).
-bool use_narrow_forward(const ScanArgs& a, int device) {
+// The narrow kernels give a channel 4x the threads at ~1.5x the instructions per state update;
+// they win while the wide grid has fewer than two blocks per SM (batch 1, dim 2048, dstate 32:
+// forward 0.122 ms wide, 0.072 narrow; the game-AI rows, 512 and 1024 wide blocks, stay wide).
+bool use_narrow(const ScanArgs& a, int device) {
   const int npad = scan_npad(a.dstate);
   const int channels_per_block = 128 * wide_states(npad) / npad;
   const ScanGrid g = make_scan_grid(a, channels_per_block, scan_chunk_steps(npad));
@@ -107,8 +107,12 @@ bool use_narrow_forward(const ScanArgs& a, int device) {
 template <int kNpad>
 struct BwdLaunch {
   static cudaError_t run(const ScanArgs& a, const float* checkpoints, const BwdAccumulators& acc,
-                         cudaStream_t s) {
-    return launch_selective_scan_bwd<kNpad>(a, checkpoints, acc, s);
+                         bool narrow, cudaStream_t s) {
+    if constexpr (narrow_states(kNpad) < wide_states(kNpad)) {
+      if (narrow)
+        return launch_selective_scan_bwd<kNpad, narrow_states(kNpad)>(a, checkpoints, acc, s);
+    }
+    return launch_selective_scan_bwd<kNpad, wide_states(kNpad)>(a, checkpoints, acc, s);
   }
 };
 
@@ -179,7 +183,7 @@ ssm_status selective_scan_fwd_cuda(const ScanArgs& a, int device, void*, void* s
   CudaDeviceGuard guard(device);
   if (guard.status() != SSM_SUCCESS) return guard.status();
   return cuda_status(dispatch_npad<FwdLaunch>(scan_npad(a.dstate), a, nullptr,
-                                              use_narrow_forward(a, device),
+                                              use_narrow(a, device),
                                               static_cast<cudaStream_t>(stream)),
                      "selective_scan_fwd launch");
 }
@@ -210,10 +214,13 @@ ssm_status selective_scan_bwd_cuda(const ScanArgs& a, int device, void* workspac
     ScanArgs replay = a;
     replay.out.data = nullptr;
     replay.last_state.data = nullptr;
+    // The replay is always the wide forward: its chunks are the backward's 16 steps. (Storing
+    // mid-chunk from the narrow one put a branch inside its unrolled steps: +20% forward time.)
     st = cuda_status(dispatch_npad<FwdLaunch>(L.npad, replay, checkpoints, false, s),
                      "selective_scan_bwd checkpoint pass");
     if (st != SSM_SUCCESS) return st;
-    st = cuda_status(dispatch_npad<BwdLaunch>(L.npad, a, checkpoints, acc, s),
+    const bool narrow = use_narrow(a, device);
+    st = cuda_status(dispatch_npad<BwdLaunch>(L.npad, a, checkpoints, acc, narrow, s),
                      "selective_scan_bwd launch");
     if (st != SSM_SUCCESS) return st;
   }
