@@ -80,6 +80,14 @@ class _Call:
         self.capsules.append(capsule)
         return _dlpack.tensor_address(capsule, name, writable)
 
+    def scan_operands(self, delta_softplus, query, u, A, B, C):
+        """The params for the options, the borrowed u, A, B, C, and the workspace that `query`
+        asks for: (params, (u, A, B, C) addresses, (keep-alive, address, bytes))."""
+        params = self.library.scan_params[1 if delta_softplus else 0]
+        operands = (self.borrow(u, "u"), self.borrow(A, "A"), self.borrow(B, "B"),
+                    self.borrow(C, "C"))
+        return params, operands, self.workspace(query, params, *operands)
+
     def workspace(self, query, params, u, A, B, C):
         """(keep-alive array, address, bytes) after the op's size query (which also validates
         u, A, B and C, so their shapes can be trusted afterwards)."""
@@ -131,11 +139,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, *, delta_
 
     call = _Call(u, stream)
     lib = call.library.lib
-    params = call.library.scan_params[1 if delta_softplus else 0]
-    pu, pA, pB, pC = (call.borrow(u, "u"), call.borrow(A, "A"), call.borrow(B, "B"),
-                      call.borrow(C, "C"))
-    ws, ws_address, ws_bytes = call.workspace(lib.ssm_selective_scan_fwd_workspace_size,
-                                              params, pu, pA, pB, pC)
+    params, (pu, pA, pB, pC), (ws, ws_address, ws_bytes) = call.scan_operands(
+        delta_softplus, lib.ssm_selective_scan_fwd_workspace_size, u, A, B, C)
     if out is None:
         out, pout = call.empty(tuple(u.shape), u, "out")
     else:
@@ -186,11 +191,8 @@ def selective_scan_bwd(u, delta, A, B, C, dout, D=None, z=None, delta_bias=None,
 
     call = _Call(u, stream)
     lib = call.library.lib
-    params = call.library.scan_params[1 if delta_softplus else 0]
-    pu, pA, pB, pC = (call.borrow(u, "u"), call.borrow(A, "A"), call.borrow(B, "B"),
-                      call.borrow(C, "C"))
-    ws, ws_address, ws_bytes = call.workspace(lib.ssm_selective_scan_bwd_workspace_size,
-                                              params, pu, pA, pB, pC)
+    params, (pu, pA, pB, pC), (ws, ws_address, ws_bytes) = call.scan_operands(
+        delta_softplus, lib.ssm_selective_scan_bwd_workspace_size, u, A, B, C)
     grads, addresses = [], []
     for x, buffer, name in zip(inputs, buffers, SelectiveScanGrads._fields):
         if buffer is not None:
