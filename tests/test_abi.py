@@ -35,7 +35,8 @@ def library_path():
 
 
 def dev_build():
-    """True when LIBSSM_LIBRARY points at a library built outside CMake (the quick g++ build)."""
+    """True when LIBSSM_LIBRARY points at a library outside an installed package (a developer's
+    own build), whose packaging facts (version node, relocated files) this suite cannot assume."""
     return bool(os.environ.get("LIBSSM_LIBRARY"))
 
 

@@ -17,9 +17,10 @@ from scan_harness import (extreme_delta_and_z, DTYPE_IDS, DTYPES, FULL, ROWS, CA
 pytestmark = pytest.mark.cuda
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 
-# Sizes chosen to sit on and beside the kernels' chunk and block boundaries: a chunk of 2048
-# steps (2047, 2048, 2049, 4097), odd channel counts that leave partial blocks (7, 33), dstate
-# that is 1, not a power of two (17) or the limit (256), and 3 groups of 11 channels.
+# Sizes chosen to sit on and beside the kernels' chunk and block boundaries: seqlen one past and
+# one short of a multiple of every chunk length (8, 16, 32 steps) and of mamba_ssm's 2048 (2047,
+# 2048, 2049, 4097), odd channel counts that leave partial blocks (7, 33), dstate that is 1, not
+# a power of two (17) or the limit (256), and 3 groups of 11 channels.
 AWKWARD_ROWS = (
     FULL.replace(seqlen=2047),
     FULL.replace(seqlen=2048),
