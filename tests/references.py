@@ -299,3 +299,186 @@ def assert_close_to(name, got, expected, ref64, plain, dtype):
     err = (got - expected).abs().max().item()
     bound = error_bound(ref64.double().cpu(), plain.cpu(), dtype)
     assert err <= bound, f"{name} ({dtype}): differs by {err:.3g} > bound {bound:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused norm (RMSNorm / LayerNorm with residual and gate): the formula in
+# src_cuda/include/libssm/norm.h, written in NumPy (forward) and in torch (differentiable).
+# Both take x, residual, z as (..., hidden) and return mean/rstd as (rows,) for one group, else
+# (rows, ngroups), like the library.
+
+
+def _norm_eps(eps):
+    """eps as the library sees it: the params struct holds a float32."""
+    return float(np.float32(eps))
+
+
+def norm_numpy(x, weight=None, bias=None, residual=None, z=None, *, kind="rms", eps=1e-6,
+               group_size=None, norm_before_gate=True, zero_centered_weight=False):
+    """Returns {"y", "residual_out", "mean" (None for RMSNorm), "rstd"} as float64 arrays."""
+    x, weight, bias, residual, z = (_np64(a) for a in (x, weight, bias, residual, z))
+    shape, hidden = x.shape, x.shape[-1]
+    s = x.reshape(-1, hidden)
+    if residual is not None:
+        s = s + residual.reshape(-1, hidden)
+    rows, size = s.shape[0], group_size or hidden
+    silu = None if z is None else (lambda v: v / (1.0 + np.exp(-v)))(z.reshape(-1, hidden))
+    g = s * silu if silu is not None and not norm_before_gate else s
+    grouped = g.reshape(rows, hidden // size, size)
+    mean = grouped.mean(-1) if kind == "layer" else np.zeros(grouped.shape[:2])
+    centred = grouped - mean[..., None]
+    rstd = 1.0 / np.sqrt((centred ** 2).mean(-1) + _norm_eps(eps))
+    w = np.ones(hidden) if weight is None else weight + 1.0 if zero_centered_weight else weight
+    o = (centred * rstd[..., None]).reshape(rows, hidden) * w
+    if bias is not None:
+        o = o + bias
+    y = o * silu if silu is not None and norm_before_gate else o
+    stat_shape = (rows,) if size == hidden else (rows, hidden // size)
+    return {"y": y.reshape(shape), "residual_out": s.reshape(shape),
+            "mean": mean.reshape(stat_shape) if kind == "layer" else None,
+            "rstd": rstd.reshape(stat_shape)}
+
+
+def norm_torch(x, weight=None, bias=None, residual=None, z=None, *, kind="rms", eps=1e-6,
+               group_size=None, norm_before_gate=True, zero_centered_weight=False):
+    """The same formula in the inputs' dtype, differentiable in every input. Returns
+    (y, s, mean or None, rstd), s being the pre-norm stream (residual_out)."""
+    shape, hidden = x.shape, x.shape[-1]
+    s = x.reshape(-1, hidden)
+    if residual is not None:
+        s = s + residual.reshape(-1, hidden)
+    rows, size = s.shape[0], group_size or hidden
+    silu = None if z is None else torch.nn.functional.silu(z.reshape(-1, hidden))
+    g = s * silu if silu is not None and not norm_before_gate else s
+    grouped = g.reshape(rows, hidden // size, size)
+    mean = grouped.mean(-1) if kind == "layer" else torch.zeros_like(grouped[..., 0])
+    centred = grouped - mean[..., None]
+    rstd = torch.rsqrt((centred * centred).mean(-1) + _norm_eps(eps))
+    o = (centred * rstd[..., None]).reshape(rows, hidden)
+    if weight is not None:
+        o = o * (weight + 1.0 if zero_centered_weight else weight)
+    if bias is not None:
+        o = o + bias
+    y = o * silu if silu is not None and norm_before_gate else o
+    stat_shape = (rows,) if size == hidden else (rows, hidden // size)
+    return (y.reshape(shape), s.reshape(shape),
+            mean.reshape(stat_shape) if kind == "layer" else None, rstd.reshape(stat_shape))
+
+
+NORM_INPUT_NAMES = ("x", "weight", "bias", "residual", "z")
+
+
+def norm_reference(inputs, options, dy=None, dresidual_out=None, precision=torch.float64):
+    """Forward and, when dy is given, every gradient of the torch formula on the CPU in
+    `precision`. inputs: x, weight, bias, residual, z (tensors or None); options: the keyword
+    options of norm_torch. Returns CPU tensors in `precision`: y, residual_out, rstd, mean
+    (LayerNorm) and, with dy, d<name> for each present input. The loss is
+    sum(y * dy) + sum(residual_out * dresidual_out), so dx and dresidual are both dL/ds.
+
+    With precision float64 this is the reference; with float32 it is the plain same-precision
+    evaluation the tolerance check takes as its baseline."""
+    leaves = {}
+    for name in NORM_INPUT_NAMES:
+        a = inputs.get(name)
+        if a is not None:
+            leaves[name] = a.detach().to("cpu", precision).requires_grad_(dy is not None)
+    with torch.set_grad_enabled(dy is not None):
+        y, s, mean, rstd = norm_torch(**leaves, **options)
+    result = {"y": y.detach(), "residual_out": s.detach(), "rstd": rstd.detach()}
+    if mean is not None:
+        result["mean"] = mean.detach()
+    if dy is not None:
+        loss = (y * dy.detach().to("cpu", precision)).sum()
+        if dresidual_out is not None:
+            loss = loss + (s * dresidual_out.detach().to("cpu", precision)).sum()
+        names = list(leaves)
+        grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+        for n, g in zip(names, grads):
+            result["d" + n] = torch.zeros_like(leaves[n]) if g is None else g
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class NormCase:
+    """One norm configuration. lead: the leading axes of x (flattened to rows); group_size 0 is
+    one group; prenorm asks for residual_out (always returned when residual is set)."""
+    kind: str = "rms"
+    lead: tuple = (3, 5)
+    hidden: int = 48
+    weight: bool = True
+    bias: bool = False
+    residual: bool = False
+    z: bool = False
+    norm_before_gate: bool = True
+    zero_centered_weight: bool = False
+    group_size: int = 0
+    prenorm: bool = False
+    eps: float = 1e-6
+
+    @property
+    def rows(self):
+        return int(np.prod(self.lead, dtype=np.int64))
+
+    @property
+    def ngroups(self):
+        return self.hidden // (self.group_size or self.hidden)
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+    def options(self):
+        """The keyword options of norm_numpy / norm_torch."""
+        return dict(kind=self.kind, eps=self.eps, group_size=self.group_size or None,
+                    norm_before_gate=self.norm_before_gate,
+                    zero_centered_weight=self.zero_centered_weight)
+
+    def label(self):
+        """A short test id: the fields that differ from the default case."""
+        base = NormCase()
+        diff = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(base, f.name)]
+        return ",".join(diff).replace(" ", "") or "base"
+
+
+def make_norm_inputs(case, dtype, seed, device="cpu", dtypes=None):
+    """x, residual, z in `dtype`, weight and bias in `dtype` too unless `dtypes` names another
+    for any of them (e.g. {"weight": torch.float32}); absent inputs are None. Values are drawn
+    in float64 and rounded once. weight sits around 1 (around 0 when zero-centred, so that
+    1 + weight does), bias is small, as in trained layers.
+
+    With a residual, x and residual lie on a grid (multiples of 1/16 below 4 in magnitude) on
+    which their sum is exact in every dtype. The backward then gets s = residual_out exactly as
+    the forward normalised it, so the statistics it is handed agree with it; a rounded s would
+    make the gradient ill-defined where it cancels (at hidden 1 it is proportional to
+    eps / (s^2 + eps), which rounding s by one part in 256 swamps)."""
+    g = torch.Generator().manual_seed(seed)
+    dtypes = dict(dtypes or {})
+    row_shape = tuple(case.lead) + (case.hidden,)
+
+    def make(name, shape, scale=1.0, offset=0.0, grid=False):
+        a = offset + scale * torch.randn(shape, generator=g, dtype=torch.float64)
+        if grid:
+            a = torch.round(a.clamp(-3.9, 3.9) * 16.0) / 16.0
+        return a.to(dtypes.get(name, dtype)).to(device)
+
+    return {
+        "x": make("x", row_shape, grid=case.residual),
+        "weight": (make("weight", (case.hidden,), 0.3, 0.0 if case.zero_centered_weight else 1.0)
+                   if case.weight else None),
+        "bias": make("bias", (case.hidden,), 0.2) if case.bias else None,
+        "residual": make("residual", row_shape, grid=True) if case.residual else None,
+        "z": make("z", row_shape, 1.5) if case.z else None,
+    }
+
+
+def make_norm_cotangents(case, dtype, seed, device="cpu", dresidual_dtype=None):
+    """dy in `dtype`, and dresidual_out (in dresidual_dtype, default `dtype`) when the case
+    returns residual_out, else None."""
+    g = torch.Generator().manual_seed(seed ^ 0x5EED)
+    row_shape = tuple(case.lead) + (case.hidden,)
+    dy = torch.randn(row_shape, generator=g, dtype=torch.float64).to(dtype).to(device)
+    dres = None
+    if case.prenorm or case.residual:
+        dres = torch.randn(row_shape, generator=g, dtype=torch.float64)
+        dres = dres.to(dresidual_dtype or dtype).to(device)
+    return dy, dres

@@ -2,15 +2,13 @@
 and CUDA suites share, calls through the Python API, calls straight into the C entry points
 through libssm's cffi handle (to hand in NaN-poisoned gradient buffers, or a bad params struct),
 and the checks of every output and gradient against the float64 references."""
-import numpy as np
 import torch
 
+import harness
 import libssm
+from harness import dtype_of, poisoned_like
 from references import (ALL_OPTIONS, INPUT_NAMES, ScanCase, assert_close, assert_close_to,
                         make_inputs, reference_outputs, selective_scan_numpy)
-
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 # Rows vary one axis at a time. Options are varied on the plain base; forms and sizes on the
 # base with every option on, since that is what Mamba layers run and it exercises each input.
@@ -82,18 +80,6 @@ def run_backward(case, inputs, dout, dlast_state, **extra):
         dlast_state=dlast_state, **extra)
 
 
-def to_numpy(x):
-    """A torch CPU tensor as a NumPy array of the same dtype (None stays None)."""
-    return None if x is None else x.detach().cpu().numpy()
-
-
-def dtype_of(x):
-    """The torch dtype of a torch tensor or NumPy array."""
-    if isinstance(x, torch.Tensor):
-        return x.dtype
-    return torch.from_numpy(np.zeros(1, dtype=x.dtype)).dtype
-
-
 # ---------------------------------------------------------------------------------------------
 # Checks.
 
@@ -150,41 +136,9 @@ def check_agree(results, expected, refs):
 # ---------------------------------------------------------------------------------------------
 # Calls straight into the C entry points, with buffers the test owns.
 
-_DL_DTYPES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16),
-              torch.float64: (2, 64)}
 
-
-class CApi:
-    """libssm's cffi handle: builds DLTensors for torch tensors and calls the C functions.
-    Every DLTensor and its shape/strides arrays are kept alive by the instance."""
-
-    def __init__(self):
-        from libssm import _library
-        self.library = _library.load()
-        self.ffi, self.lib = self.library.ffi, self.library.lib
-        self._keep = []
-
-    def address(self, cdata):
-        return 0 if cdata is None else int(self.ffi.cast("uintptr_t", cdata))
-
-    def dltensor(self, t, data=None):
-        """The address of a DLTensor describing torch tensor t (0 for None). data overrides
-        the data pointer (0 for NULL)."""
-        if t is None:
-            return 0
-        ffi = self.ffi
-        dl = ffi.new("DLTensor *")
-        shape = ffi.new("int64_t[]", list(t.shape) or [0])
-        strides = ffi.new("int64_t[]", list(t.stride()) or [0])
-        dl.data = ffi.cast("void *", t.data_ptr() if data is None else data)
-        dl.device.device_type = 2 if t.is_cuda else 1
-        dl.device.device_id = t.get_device() if t.is_cuda else 0
-        dl.ndim = t.dim()
-        dl.dtype.code, dl.dtype.bits = _DL_DTYPES[t.dtype]
-        dl.dtype.lanes = 1
-        dl.shape, dl.strides, dl.byte_offset = shape, strides, 0
-        self._keep += [dl, shape, strides]
-        return self.address(dl)
+class CApi(harness.CApi):
+    """The shared cffi handle plus the selective scan's params, forward and backward."""
 
     def params(self, delta_softplus=False, struct_size=None):
         p = self.ffi.new("ssm_selective_scan_params *")
@@ -194,52 +148,32 @@ class CApi:
         self._keep.append(p)
         return self.address(p)
 
-    def check(self, status):
-        if status:
-            self.library.raise_for(status)
-
-    def last_error(self):
-        return self.ffi.string(self.lib.ssm_last_error()).decode()
-
     def _workspace(self, query, params, inputs):
         size = self.ffi.new("size_t *")
         self.check(query(params, *(self.dltensor(inputs[n]) for n in ("u", "A", "B", "C")),
                          self.address(size)))
-        if not size[0]:
-            return None, 0, 0
-        buf = torch.empty(size[0] + 255, dtype=torch.uint8, device=inputs["u"].device)
-        self._keep.append(buf)
-        return buf, (buf.data_ptr() + 255) & ~255, size[0]
-
-    @staticmethod
-    def _stream(t):
-        return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+        return self.workspace(size[0], inputs["u"].device)
 
     def forward(self, case, inputs, out, last_state=None, params=None):
         """ssm_selective_scan_fwd into the given out / last_state; raises libssm errors."""
         params = self.params(case.softplus) if params is None else params
-        _, ws, nbytes = self._workspace(self.lib.ssm_selective_scan_fwd_workspace_size, params,
-                                        inputs)
+        ws, nbytes = self._workspace(self.lib.ssm_selective_scan_fwd_workspace_size, params,
+                                     inputs)
         dl = [self.dltensor(inputs[n]) for n in INPUT_NAMES]
         self.check(self.lib.ssm_selective_scan_fwd(
             params, *dl, self.dltensor(out), self.dltensor(last_state), ws, nbytes,
-            self._stream(inputs["u"])))
+            self.stream_of(inputs["u"])))
 
     def backward(self, case, inputs, dout, dlast_state, grads, params=None):
         """ssm_selective_scan_bwd into grads (a dict d<name> -> tensor or None)."""
         params = self.params(case.softplus) if params is None else params
-        _, ws, nbytes = self._workspace(self.lib.ssm_selective_scan_bwd_workspace_size, params,
-                                        inputs)
+        ws, nbytes = self._workspace(self.lib.ssm_selective_scan_bwd_workspace_size, params,
+                                     inputs)
         dl = [self.dltensor(inputs[n]) for n in INPUT_NAMES]
         dgrads = [self.dltensor(grads.get("d" + n)) for n in INPUT_NAMES]
         self.check(self.lib.ssm_selective_scan_bwd(
             params, *dl, self.dltensor(dout), self.dltensor(dlast_state), *dgrads, ws, nbytes,
-            self._stream(inputs["u"])))
-
-
-def poisoned_like(t, dtype=None):
-    """A NaN-filled tensor shaped like t: whatever the library leaves unwritten stays NaN."""
-    return torch.full(t.shape, float("nan"), dtype=dtype or t.dtype, device=t.device)
+            self.stream_of(inputs["u"])))
 
 
 def poisoned_grads(inputs):

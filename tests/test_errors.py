@@ -11,6 +11,7 @@ import torch
 import libssm
 import libssm.torch as ssm_torch
 from references import INPUT_NAMES, ScanCase
+from harness import as_framework, check_error, snapshot
 from scan_harness import CApi
 
 BATCH, DIM, SEQLEN, DSTATE = 2, 6, 5, 4
@@ -139,32 +140,6 @@ FORWARD_ROWS = [
     ("delta-not-an-array", "delta", _set("delta", lambda x: x["delta"].tolist()),
      libssm.InvalidArgumentError, ["__dlpack__"]),
 ]
-
-
-def as_framework(x, framework):
-    if framework == "numpy":
-        return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in x.items()}
-    return x
-
-
-def snapshot(x):
-    """Every array's bytes, NaNs included, in logical order."""
-    def raw(v):
-        if isinstance(v, torch.Tensor):
-            return v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        if isinstance(v, np.ndarray):
-            return np.ascontiguousarray(v).tobytes()
-        return repr(v)
-    return {k: raw(v) for k, v in x.items()}
-
-
-def check_error(excinfo, exc, argument, fragments):
-    message = str(excinfo.value)
-    assert type(excinfo.value) is exc, (type(excinfo.value), message)
-    assert excinfo.value.status == exc.status_code
-    assert message.startswith(argument + ":"), message
-    for fragment in fragments:
-        assert fragment in message, (fragment, message)
 
 
 @pytest.mark.parametrize("framework", ["torch", "numpy"])

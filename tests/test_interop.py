@@ -7,7 +7,8 @@ import torch
 
 import libssm
 from references import INPUT_NAMES, make_cotangents, make_inputs
-from scan_harness import FULL, check_backward, check_forward, run_backward, run_forward, to_numpy
+from harness import to_numpy
+from scan_harness import FULL, check_backward, check_forward, run_backward, run_forward
 
 CASE = FULL
 

@@ -11,10 +11,10 @@ import torch
 import libssm
 from references import (ScanCase, assert_close, make_cotangents, make_inputs, reference_outputs,
                         selective_scan_numpy, selective_scan_torch)
-from scan_harness import (extreme_delta_and_z, DTYPE_IDS, DTYPES, FULL, ROWS, CApi, case_id, check_backward,
-                          check_forward, mamba_layout, poisoned_grads, poisoned_like,
-                          run_backward, run_forward, strided_views, to_numpy,
-                          transposed_poison)
+from harness import DTYPE_IDS, DTYPES, poisoned_like, to_numpy
+from scan_harness import (FULL, ROWS, CApi, case_id, check_backward, check_forward,
+                          extreme_delta_and_z, mamba_layout, poisoned_grads, run_backward,
+                          run_forward, strided_views, transposed_poison)
 
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 rows = pytest.mark.parametrize("case", ROWS, ids=case_id)

@@ -9,10 +9,10 @@ import torch
 
 import libssm
 from references import INPUT_NAMES, make_cotangents, make_inputs
-from scan_harness import (extreme_delta_and_z, DTYPE_IDS, DTYPES, FULL, ROWS, CApi, case_id, check_agree,
-                          check_backward, check_forward, mamba_layout, poisoned_grads,
-                          poisoned_like, run_backward, run_forward, strided_views,
-                          transposed_poison)
+from harness import DTYPE_IDS, DTYPES, poisoned_like
+from scan_harness import (FULL, ROWS, CApi, case_id, check_agree, check_backward, check_forward,
+                          extreme_delta_and_z, mamba_layout, poisoned_grads, run_backward,
+                          run_forward, strided_views, transposed_poison)
 
 pytestmark = pytest.mark.cuda
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)

@@ -9,7 +9,8 @@ import libssm
 import libssm.torch as ssm_torch
 from references import (INPUT_NAMES, assert_close, make_cotangents, make_inputs,
                         reference_outputs)
-from scan_harness import DTYPE_IDS, DTYPES, FULL, case_id, check_backward, check_forward
+from harness import DTYPE_IDS, DTYPES
+from scan_harness import FULL, case_id, check_backward, check_forward
 
 GRAD_ROWS = [FULL, FULL.replace(B_form="group", C_form="group", groups=3),
              FULL.replace(B_form="fixed", C_form="var"), FULL.replace(seqlen=1)]

@@ -6,11 +6,13 @@ autograd. The shared library is opened on first use ($LIBSSM_LIBRARY overrides w
 from .errors import (CudaError, DeviceError, DTypeError, Error, InternalError,
                      InvalidArgumentError, LayoutError, ShapeError, UnsupportedError,
                      WorkspaceError)
+from .norm import NormForward, NormGrads, layer_norm, norm_bwd, norm_fwd, rms_norm
 from .selective_scan import SelectiveScanGrads, selective_scan, selective_scan_bwd
 
 __all__ = [
     "__version__", "version", "abi_version", "cuda_device_count", "library_path",
     "selective_scan", "selective_scan_bwd", "SelectiveScanGrads",
+    "rms_norm", "layer_norm", "norm_fwd", "norm_bwd", "NormForward", "NormGrads",
     "Error", "InvalidArgumentError", "ShapeError", "DTypeError", "DeviceError", "LayoutError",
     "UnsupportedError", "WorkspaceError", "CudaError", "InternalError",
 ]

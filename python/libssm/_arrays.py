@@ -84,7 +84,7 @@ def _module(name):
     return sys.modules.get(name) or importlib.import_module(name)
 
 
-def _backing_framework(device_type):
+def _backing_framework(device_type, name):
     """The framework that allocates for callers whose own cannot (JAX arrays are immutable)."""
     if device_type != CUDA:
         return "numpy"
@@ -94,21 +94,22 @@ def _backing_framework(device_type):
             return name
         except ImportError:
             pass
-    raise DeviceError("u: a JAX array on CUDA; libssm allocates its outputs there with torch or "
-                      "cupy, and neither is installed")
+    raise DeviceError("%s: a JAX array on CUDA; libssm allocates its outputs there with torch "
+                      "or cupy, and neither is installed" % name)
 
 
 class Allocator:
-    """Allocates outputs like `template` (same framework, same device) on `stream`."""
+    """Allocates outputs like `template` (same framework, same device) on `stream`; `name` is
+    the template's argument name, for errors."""
 
-    def __init__(self, template, device_type, device_id, stream):
+    def __init__(self, template, name, device_type, device_id, stream):
         self.caller = framework(template)
         self.device_type, self.device_id = device_type, device_id
         self.backing = self.caller if self.caller in ("torch", "numpy", "cupy") else \
-            _backing_framework(device_type)
+            _backing_framework(device_type, name)
         if self.backing == "numpy" and device_type != CPU:
-            raise DeviceError("u: arrays on DLPack device type %d are not supported"
-                              % device_type)
+            raise DeviceError("%s: arrays on DLPack device type %d are not supported"
+                              % (name, device_type))
         self.module = _module(self.backing)
         self.template = template
         self.stream = stream

@@ -1,13 +1,14 @@
 """`python -m libssm check`: says which library is loaded, then checks every op on every device
 against a reference (CPU: libssm's CPU path against a float64 NumPy evaluation of the formula;
 each CUDA device: libssm on the GPU against libssm's CPU path, in float32 and bfloat16), one
-line per check and a summary; the exit status is nonzero on any failure."""
+line per check and a summary; the exit status is nonzero on any failure. The ops are the
+selective scan and the fused norm."""
 
 import sys
 
 import numpy as np
 
-from . import _reference
+from . import _norm_reference, _reference
 
 # Max |result - reference| / max |reference| allowed, per (compared against, dtype, op).
 TOLERANCE = {
@@ -87,6 +88,74 @@ def run_op(libssm, x, softplus, last_state, dout, dlast):
     return outputs, grads
 
 
+# Fused norm: each case varies what the kernels specialise on (kind, residual, gate and its
+# placement, groups, zero-centred weight).
+NORM_CASES = {
+    "rms": dict(kind="rms", eps=1e-6, residual=True, weight=True),
+    "layer": dict(kind="layer", eps=1e-5, residual=True, weight=True, bias=True, z=True,
+                  norm_before_gate=False),
+    "group": dict(kind="rms", eps=1e-5, weight=True, z=True, group_size=True,
+                  zero_centered_weight=True),
+}
+NORM_CPU_SIZES = dict(rows=(2, 3), hidden=8, group=4)
+NORM_CUDA_SIZES = dict(rows=(3, 77), hidden=1000, group=250)  # hidden a multiple of no vector
+NORM_ACTIVATIONS = ("x", "residual", "z")  # the inputs that take the dtype
+
+
+def make_norm_inputs(case, rows, hidden, group, seed):
+    """(float32 NumPy inputs, options, dy, dresidual_out) for one norm case."""
+    rng = np.random.default_rng(seed)
+    opts = NORM_CASES[case]
+    shape = tuple(rows) + (hidden,)
+
+    def normal(*shape, scale=1.0, offset=0.0):
+        return (offset + rng.standard_normal(shape) * scale).astype(np.float32)
+
+    x = {
+        "x": normal(*shape, offset=0.5),
+        "residual": normal(*shape) if opts.get("residual") else None,
+        "weight": normal(hidden, scale=0.2, offset=1.0) if opts.get("weight") else None,
+        "bias": normal(hidden, scale=0.2) if opts.get("bias") else None,
+        "z": normal(*shape) if opts.get("z") else None,
+    }
+    options = dict(kind=opts["kind"], eps=opts["eps"],
+                   group_size=group if opts.get("group_size") else None,
+                   norm_before_gate=opts.get("norm_before_gate", True),
+                   zero_centered_weight=bool(opts.get("zero_centered_weight")))
+    if options["zero_centered_weight"]:
+        x["weight"] = x["weight"] - 1.0
+    dro = normal(*shape) if opts.get("residual") else None
+    return x, options, normal(*shape), dro
+
+
+def run_norm(libssm, x, opts, dy, dro):
+    """(forward outputs, backward gradients) by name, from whatever arrays x holds. dx is the
+    gradient of both x and residual."""
+    fwd = libssm.norm_fwd(x["x"], x["weight"], x["bias"], residual=x["residual"], z=x["z"],
+                          want_residual_out=True, **opts)
+    outputs = {"y": fwd.y, "residual_out": fwd.residual_out, "rstd": fwd.rstd}
+    if fwd.mean is not None:
+        outputs["mean"] = fwd.mean
+    s = fwd.residual_out if x["residual"] is not None else x["x"]
+    grads = libssm.norm_bwd(s, dy, fwd.mean, fwd.rstd, x["weight"], x["bias"], z=x["z"],
+                            dresidual_out=dro, **opts)
+    return outputs, {k: v for k, v in grads._asdict().items() if v is not None}
+
+
+def _norm_reference_results(x, opts, dy, dro):
+    y, s, mean, rstd = _norm_reference.forward(x, opts)
+    ngroups = rstd.shape[1]
+    fwd = {"y": y, "residual_out": s, "rstd": rstd if ngroups > 1 else rstd[:, 0]}
+    if mean is not None:
+        fwd["mean"] = mean if ngroups > 1 else mean[:, 0]
+    grads = _norm_reference.gradients(x, opts, dy, dro)
+    bwd = {"dx": grads["x"]}
+    for name in ("weight", "bias", "z"):
+        if grads[name] is not None:
+            bwd["d" + name] = grads[name]
+    return fwd, bwd
+
+
 class Report:
     def __init__(self, stream):
         self.stream = stream
@@ -99,7 +168,8 @@ class Report:
         self.skipped += 1
         self.say("SKIP  %-8s %s" % (where, why))
 
-    def compare(self, where, op, dtype, case, against, results, references):
+    def compare(self, where, op, dtype, case, against, results, references,
+                family="selective_scan"):
         """One check line: the worst of several named results against their references."""
         tol = TOLERANCE[(against, dtype, op)]
         worst, worst_name, problems = -1.0, "", []
@@ -116,11 +186,12 @@ class Report:
         self.passed += ok
         self.failed += not ok
         detail = "; ".join(problems) if problems else "worst %s" % worst_name
-        self.say("%s  %-8s selective_scan_%s %-8s %-5s vs %-17s max rel err %.1e (tol %.0e, %s)"
-                 % ("PASS" if ok else "FAIL", where, op, dtype, case, against, worst, tol,
-                    detail))
+        self.say("%s  %-8s %s_%s %-8s %-5s vs %-17s max rel err %.1e (tol %.0e, %s)"
+                 % ("PASS" if ok else "FAIL", where, family, op, dtype, case, against, worst,
+                    tol, detail))
 
-    def compare_calls(self, where, dtype, case, against, run, reference):
+    def compare_calls(self, where, dtype, case, against, run, reference,
+                      family="selective_scan"):
         """Runs fwd+bwd through `run` and compares with `reference`; a libssm error fails."""
         import libssm
         try:
@@ -128,11 +199,11 @@ class Report:
         except libssm.Error as e:
             for op in ("fwd", "bwd"):
                 self.failed += 1
-                self.say("FAIL  %-8s selective_scan_%s %-8s %-5s %s: %s"
-                         % (where, op, dtype, case, type(e).__name__, e))
+                self.say("FAIL  %-8s %s_%s %-8s %-5s %s: %s"
+                         % (where, family, op, dtype, case, type(e).__name__, e))
             return
         for op, got, ref in zip(("fwd", "bwd"), results, reference):
-            self.compare(where, op, dtype, case, against, got, ref)
+            self.compare(where, op, dtype, case, against, got, ref, family)
 
 
 def check_cpu(report, libssm):
@@ -145,6 +216,11 @@ def check_cpu(report, libssm):
         report.compare_calls("cpu", "float32", case, "float64 reference",
                              lambda: run_op(libssm, x, softplus, last_state, dout, dlast),
                              (ref_fwd, ref_bwd))
+    for seed, case in enumerate(NORM_CASES):
+        x, opts, dy, dro = make_norm_inputs(case, seed=seed, **NORM_CPU_SIZES)
+        report.compare_calls("cpu", "float32", case, "float64 reference",
+                             lambda: run_norm(libssm, x, opts, dy, dro),
+                             _norm_reference_results(x, opts, dy, dro), family="norm")
 
 
 def _torch_backend(device):
@@ -224,6 +300,30 @@ def check_cuda_device(report, libssm, device):
                 return ({k: to_host(v) for k, v in fwd.items()},
                         {k: to_host(v) for k, v in bwd.items()})
             report.compare_calls(where, dtype, case, "cpu", run, reference)
+        for seed, case in enumerate(NORM_CASES):
+            x, opts, dy, dro = make_norm_inputs(case, seed=100 + seed, **NORM_CUDA_SIZES)
+            try:
+                dev = {k: None if v is None else
+                       to_device(v, dtype if k in NORM_ACTIVATIONS else "float32")
+                       for k, v in x.items()}
+                dev_dy = to_device(dy, dtype)
+                dev_dro = None if dro is None else to_device(dro, dtype)
+            except (ImportError, TypeError, ValueError) as e:
+                report.skip(where, "%s norm %s: %s cannot make these arrays (%s)"
+                            % (dtype, case, name, e))
+                continue
+            # The CPU path sees exactly the values the GPU sees (already rounded to dtype),
+            # in float32; the outputs then differ only by the GPU's arithmetic and rounding.
+            host = {k: None if v is None else to_host(v) for k, v in dev.items()}
+            reference = run_norm(libssm, host, opts, to_host(dev_dy),
+                                 None if dev_dro is None else to_host(dev_dro))
+
+            def run_norm_device():
+                fwd, bwd = run_norm(libssm, dev, opts, dev_dy, dev_dro)
+                return ({k: to_host(v) for k, v in fwd.items()},
+                        {k: to_host(v) for k, v in bwd.items()})
+            report.compare_calls(where, dtype, case, "cpu", run_norm_device, reference,
+                                 family="norm")
 
 
 def report_overhead(report, cuda_devices):

@@ -1,7 +1,8 @@
-"""The direct path from torch tensors to libssm, used by eager libssm.torch calls, by the
-registered custom ops' real kernels and by libssm.selective_scan for torch inputs. CUDA work
-goes on torch's current raw stream (never stream 0, which a CUDA graph capture silently leaves
-out), and workspace comes from torch's allocator.
+"""The direct path from torch tensors to libssm, shared by every op family's torch adapter
+(_torch_scan, _torch_norm): their eager calls, the registered custom ops' real kernels and the
+generic layer's calls on torch inputs. CUDA work goes on torch's current raw stream (never
+stream 0, which a CUDA graph capture silently leaves out), and workspace comes from torch's
+allocator.
 
 DLTensors are written into this thread's slots (see _packer) in one of two ways: torch's own C
 function for it (DLPack exchange API, torch >= 2.10; ~0.4 us a tensor, called with the GIL held
@@ -14,16 +15,10 @@ import torch
 
 from . import _arrays, _dlpack, _library, _packer
 from .errors import DeviceError, LayoutError, ShapeError, WorkspaceError
-from .selective_scan import INPUT_NAMES, SelectiveScanGrads
-
-GRAD_NAMES = SelectiveScanGrads._fields
 
 _raw_stream = _arrays.torch_raw_stream()
 _empty = torch.empty
-_empty_like = torch.empty_like
 _uint8 = torch.uint8
-_float32 = torch.float32
-_contiguous = torch.contiguous_format
 _strided = torch.strided
 _MAX_NDIM, _SLOT_SIZE = _packer.MAX_NDIM, _packer.SLOT_SIZE
 
@@ -52,11 +47,12 @@ def _torch_dltensor_function():
     return signature(head.dltensor_from_py_object_no_sync)
 
 
-class _State:
+class State:
+    """The loaded library's handles, fetched once for the per-call path."""
+
     def __init__(self):
         self.library = _library.load()
         self.lib = self.library.lib
-        self.params = self.library.scan_params
         self.slots = self.library.slots
         self.workspace_error = WorkspaceError.status_code
 
@@ -64,10 +60,10 @@ class _State:
 _state = None
 
 
-def _get_state():
+def state():
     global _state
     if _state is None:
-        _state = _State()
+        _state = State()
     return _state
 
 
@@ -110,6 +106,24 @@ def describe(slots, index, name, t):
     return _pack(slots, index, name, t)
 
 
+_dlpack_dtypes = {}  # torch dtype -> (DLPack code, bits)
+
+
+def describe_packed(slots, index, name, t, shape, strides):
+    """The address of a DLTensor viewing t's memory with another shape and strides (in
+    elements), packed in Python: t reshaped to the rows an op takes, with no torch view made
+    (a view costs more than the packing). t must be a plain strided CPU or CUDA tensor."""
+    code_bits = _dlpack_dtypes.get(t.dtype)
+    if code_bits is None:
+        code_bits = _dlpack_dtypes[t.dtype] = _arrays.dlpack_dtype(t.dtype, name)
+    if t.is_cuda:
+        device_type, device_id = _arrays.CUDA, t.get_device()
+    else:
+        device_type, device_id = _arrays.CPU, 0
+    return _packer.pack(slots, index, t.data_ptr(), device_type, device_id, code_bits[0],
+                        code_bits[1], shape, strides)
+
+
 def _workspace(nbytes, like):
     """(tensor holding the memory, 256-byte-aligned address) from torch's allocator, which
     takes it from the graph's private pool while a CUDA graph is being captured."""
@@ -117,93 +131,72 @@ def _workspace(nbytes, like):
     return ws, (ws.data_ptr() + 255) & ~255
 
 
-# (op, on CUDA) -> whether such calls have needed workspace. Calls start without asking (the
+def stream(t):
+    """The stream a call on t's device runs on: torch's current one on CUDA, 0 on the CPU."""
+    return _raw_stream(t.get_device()) if t.is_cuda else 0
+
+
+# (op, on CUDA) -> whether such calls have needed workspace. Calls start without asking (a
 # forward needs none, and the size query costs as much as a call's validation); a call that
 # fails for want of workspace writes nothing, so the size is then asked for and the call made
 # again, and later calls of that kind ask first.
 _needs_workspace = {}
 
 
-def _query(state, kind, args):
-    lib, slots = state.lib, state.slots
-    query = (lib.ssm_selective_scan_fwd_workspace_size if kind == "fwd"
-             else lib.ssm_selective_scan_bwd_workspace_size)
-    status = query(args[0], args[1], args[3], args[4], args[5], slots.size_t_address)
+def workspace_size(st, query, query_args):
+    """Bytes of workspace from query(*query_args, &bytes); raises for a failed status."""
+    status = query(*query_args, st.slots.size_t_address)
     if status:
-        state.library.raise_for(status)
-    return slots.size_t[0]
+        st.library.raise_for(status)
+    return st.slots.size_t[0]
 
 
-def _run(state, kind, args, u):
-    """Calls ssm_selective_scan_<kind>(*args, workspace, bytes, stream), where args starts
-    (params, u, delta, A, B, C, ...)."""
-    lib = state.lib
-    op = lib.ssm_selective_scan_fwd if kind == "fwd" else lib.ssm_selective_scan_bwd
-    cuda = u.is_cuda
-    stream = _raw_stream(u.get_device()) if cuda else 0
+def run(st, op, query, query_args, args, like):
+    """Calls op(*args, workspace, bytes, stream) on like's device and raises for a failed
+    status; query(*query_args, &bytes) is the op's workspace size query."""
+    cuda = like.is_cuda
+    stream_handle = _raw_stream(like.get_device()) if cuda else 0
     ws, address, nbytes = None, 0, 0
-    if _needs_workspace.get((kind, cuda)):
-        nbytes = _query(state, kind, args)
+    if _needs_workspace.get((op, cuda)):
+        nbytes = workspace_size(st, query, query_args)
         if nbytes:
-            ws, address = _workspace(nbytes, u)
-    status = op(*args, address, nbytes, stream)
-    if status == state.workspace_error and not nbytes:
-        _needs_workspace[(kind, cuda)] = True
-        nbytes = _query(state, kind, args)
-        ws, address = _workspace(nbytes, u)
-        status = op(*args, address, nbytes, stream)
+            ws, address = _workspace(nbytes, like)
+    status = op(*args, address, nbytes, stream_handle)
+    if status == st.workspace_error and not nbytes:
+        _needs_workspace[(op, cuda)] = True
+        nbytes = workspace_size(st, query, query_args)
+        ws, address = _workspace(nbytes, like)
+        status = op(*args, address, nbytes, stream_handle)
     if status:
-        state.library.raise_for(status)
+        st.library.raise_for(status)
     # Dropping ws now is safe: torch's allocator hands the memory only to later work on this
     # stream, which runs after the call.
     del ws
 
 
-def fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, return_last_state,
-        out=None):
-    """(out, last_state or None)."""
-    state = _state or _get_state()
-    slots = state.slots
-    args = (state.params[1 if delta_softplus else 0], describe(slots, 0, "u", u),
-            describe(slots, 1, "delta", delta), describe(slots, 2, "A", A),
-            describe(slots, 3, "B", B), describe(slots, 4, "C", C), describe(slots, 5, "D", D),
-            describe(slots, 6, "z", z), describe(slots, 7, "delta_bias", delta_bias),
-            describe(slots, 8, "initial_state", initial_state))
-    if out is None:
-        out = _empty_like(u, memory_format=_contiguous)
-    last_state = None
-    if return_last_state:
-        try:
-            shape = (u.shape[0], u.shape[1], A.shape[1])
-        except IndexError:
-            _query(state, "fwd", args)  # raises the library's message about u's or A's shape
-            raise
-        last_state = _empty(shape, dtype=_float32, device=u.device)
-    args += (describe(slots, 9, "out", out), describe(slots, 10, "last_state", last_state))
-    _run(state, "fwd", args, u)
-    return out, last_state
+DIRECT, AUTOGRAD, DISPATCHER = "direct", "autograd", "dispatcher"
+_is_compiling = torch.compiler.is_compiling
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_grad_enabled = torch.is_grad_enabled
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
-def bwd(u, delta, A, B, C, dout, D, z, delta_bias, initial_state, dlast_state, delta_softplus,
-        mask=None, out=None):
-    """The 9 gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state); an entry
-    is None where its input is None or mask (9 bools) leaves it out, and is then not computed.
-    out: 9 entries, a tensor to write that gradient into or None to allocate it."""
-    state = _state or _get_state()
-    slots = state.slots
-    inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
-    args = [state.params[1 if delta_softplus else 0]]
-    for i, x in enumerate(inputs):
-        args.append(describe(slots, i, INPUT_NAMES[i], x))
-    args.append(describe(slots, 9, "dout", dout))
-    args.append(describe(slots, 10, "dlast_state", dlast_state))
-    grads = [None] * 9
-    for i, x in enumerate(inputs):
-        g = None if out is None else out[i]
-        if g is None and x is not None and (mask is None or mask[i]):
-            g = _empty_like(x, memory_format=_contiguous)
-        # A buffer given for an absent input is passed on: the library refuses it, naming it.
-        grads[i] = g
-        args.append(describe(slots, 11 + i, GRAD_NAMES[i], g))
-    _run(state, "bwd", args, u)
-    return tuple(grads)
+def path(tensors):
+    """How a call on these tensors (tensors[0] the op's first input, never None) runs: while
+    torch.compile traces, and for anything but plain tensors in real memory (fake, meta,
+    functorch-wrapped, other subclasses), through the dispatcher (the registered custom op),
+    which knows them; otherwise direct, through the op's autograd.Function when a gradient is
+    wanted. The dispatcher adds ~10-15 us a call, which eager calls skip."""
+    if _is_compiling():
+        return DISPATCHER
+    grad = _grad_enabled()
+    wants_grad = False
+    for t in tensors:
+        if t is not None:
+            if type(t) not in _PLAIN_TENSOR_TYPES:
+                return DISPATCHER
+            if grad and t.requires_grad:
+                wants_grad = True
+    if tensors[0].is_meta or _functorch_active():
+        return DISPATCHER
+    return AUTOGRAD if wants_grad else DIRECT

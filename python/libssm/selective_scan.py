@@ -1,13 +1,12 @@
 """libssm.selective_scan and libssm.selective_scan_bwd for any DLPack array (numpy, torch, CuPy,
 JAX): inputs are borrowed through their capsules, asked for on the stream the op runs on, and
 outputs are allocated by the caller's framework on the caller's device. Torch inputs take the
-direct data_ptr path instead (see _torch_direct), or, while torch.compile traces, the registered
+direct data_ptr path instead (see _torch_scan), or, while torch.compile traces, the registered
 torch.ops.libssm custom ops, so the call stays in the graph."""
 
 import collections
-import sys
 
-from . import _arrays, _dlpack, _library
+from . import _call
 from .errors import InvalidArgumentError
 
 __all__ = ["selective_scan", "selective_scan_bwd", "SelectiveScanGrads"]
@@ -15,19 +14,6 @@ __all__ = ["selective_scan", "selective_scan_bwd", "SelectiveScanGrads"]
 # The op's inputs in C argument order; each has its gradient, named "d" + name.
 INPUT_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
 SelectiveScanGrads = collections.namedtuple("SelectiveScanGrads", ["d" + n for n in INPUT_NAMES])
-
-
-def _torch_arrays(arrays):
-    """Whether every array is a torch tensor or None (u, arrays[0], is one). Checked through
-    sys.modules: a caller who never imported torch cannot be passing tensors."""
-    torch = sys.modules.get("torch")
-    return (torch is not None and isinstance(arrays[0], torch.Tensor)
-            and all(a is None or isinstance(a, torch.Tensor) for a in arrays))
-
-
-def _torch_compiling():
-    # Only asked once the inputs are known to be tensors, so torch is imported.
-    return sys.modules["torch"].compiler.is_compiling()
 
 
 def _grad_buffers(out):
@@ -52,61 +38,14 @@ def _grad_buffers(out):
                                "got %s" % (len(names), got))
 
 
-class _Call:
-    """One call's device, stream, borrowed capsules and output allocator."""
-
-    def __init__(self, u, stream):
-        self.library = _library.load()
-        self.device_type, self.device_id = _arrays.device(u, "u")
-        handle = _arrays.stream_handle(stream)
-        if handle is None:
-            handle = (_arrays.current_stream(_arrays.framework(u), self.device_id)
-                      if self.device_type == _arrays.CUDA else 0)
-        self.stream = handle
-        self.capsules = []
-        self.next_slot = 0
-        self.allocator = _arrays.Allocator(u, self.device_type, self.device_id, handle)
-
-    def borrow(self, obj, name, writable=False):
-        """The address of obj's DLTensor (0 for None), valid while this call lives."""
-        if obj is None:
-            return 0
-        if writable and _arrays.framework(obj) == "jax":
-            raise InvalidArgumentError("%s: JAX arrays are immutable; leave it None to get a "
-                                       "new array" % name)
-        on_cuda = _arrays.device(obj, name)[0] == _arrays.CUDA
-        capsule = _dlpack.request(obj, name,
-                                  _arrays.producer_stream(self.stream) if on_cuda else None)
-        self.capsules.append(capsule)
-        return _dlpack.tensor_address(capsule, name, writable)
-
-    def scan_operands(self, delta_softplus, query, u, A, B, C):
-        """The params for the options, the borrowed u, A, B, C, and the workspace that `query`
-        asks for: (params, (u, A, B, C) addresses, (keep-alive, address, bytes))."""
-        params = self.library.scan_params[1 if delta_softplus else 0]
-        operands = (self.borrow(u, "u"), self.borrow(A, "A"), self.borrow(B, "B"),
-                    self.borrow(C, "C"))
-        return params, operands, self.workspace(query, params, *operands)
-
-    def workspace(self, query, params, u, A, B, C):
-        """(keep-alive array, address, bytes) after the op's size query (which also validates
-        u, A, B and C, so their shapes can be trusted afterwards)."""
-        size = self.library.ffi.new("size_t *")
-        status = query(params, u, A, B, C, self.library.address(size))
-        if status:
-            self.library.raise_for(status)
-        if not size[0]:
-            return None, 0, 0
-        with self.allocator.on_stream():
-            buf, address = self.allocator.workspace(size[0])
-        return buf, address, size[0]
-
-    def empty(self, shape, like, name):
-        """A new output and the address of its DLTensor."""
-        with self.allocator.on_stream():
-            array = self.allocator.empty(shape, like)
-        self.next_slot += 1
-        return array, self.allocator.describe(self.library.slots, self.next_slot, name, array)
+def _scan_operands(call, delta_softplus, query, u, A, B, C):
+    """The params for the options, the borrowed u, A, B, C, and the workspace that `query`
+    asks for (it also validates u, A, B and C, so their shapes can be trusted afterwards):
+    (params, (u, A, B, C) addresses, (keep-alive, address, bytes))."""
+    params = call.library.scan_params[1 if delta_softplus else 0]
+    operands = (call.borrow(u, "u"), call.borrow(A, "A"), call.borrow(B, "B"),
+                call.borrow(C, "C"))
+    return params, operands, call.workspace(query, params, *operands)
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, *, delta_softplus=False,
@@ -126,21 +65,21 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, *, delta_
     Returns out, or (out, last_state) with last_state float32 (batch, dim, dstate) when
     return_last_state."""
     arrays = (u, delta, A, B, C, D, z, delta_bias, initial_state, out)
-    if stream is None and _torch_arrays(arrays):
-        if _torch_compiling():
-            from .torch import compiled_fwd
+    if stream is None and _call.torch_arrays(arrays):
+        if _call.torch_compiling():
+            from ._torch_scan import compiled_fwd
             result = compiled_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state,
                                   delta_softplus, return_last_state, out)
         else:
-            from . import _torch_direct
-            result = _torch_direct.fwd(u, delta, A, B, C, D, z, delta_bias, initial_state,
-                                       delta_softplus, return_last_state, out)
+            from . import _torch_scan
+            result = _torch_scan.fwd(u, delta, A, B, C, D, z, delta_bias, initial_state,
+                                     delta_softplus, return_last_state, out)
         return result if return_last_state else result[0]
 
-    call = _Call(u, stream)
+    call = _call.Call(u, "u", stream)
     lib = call.library.lib
-    params, (pu, pA, pB, pC), (ws, ws_address, ws_bytes) = call.scan_operands(
-        delta_softplus, lib.ssm_selective_scan_fwd_workspace_size, u, A, B, C)
+    params, (pu, pA, pB, pC), (ws, ws_address, ws_bytes) = _scan_operands(
+        call, delta_softplus, lib.ssm_selective_scan_fwd_workspace_size, u, A, B, C)
     if out is None:
         out, pout = call.empty(tuple(u.shape), u, "out")
     else:
@@ -178,21 +117,21 @@ def selective_scan_bwd(u, delta, A, B, C, dout, D=None, z=None, delta_bias=None,
     input is None."""
     inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     buffers = _grad_buffers(out)
-    if stream is None and _torch_arrays(inputs + (dout, dlast_state) + buffers):
-        if _torch_compiling():
-            from .torch import compiled_bwd
+    if stream is None and _call.torch_arrays(inputs + (dout, dlast_state) + buffers):
+        if _call.torch_compiling():
+            from ._torch_scan import compiled_bwd
             grads = compiled_bwd(u, delta, A, B, C, dout, D, z, delta_bias, initial_state,
                                  dlast_state, delta_softplus, buffers)
         else:
-            from . import _torch_direct
-            grads = _torch_direct.bwd(u, delta, A, B, C, dout, D, z, delta_bias, initial_state,
-                                      dlast_state, delta_softplus, out=buffers)
+            from . import _torch_scan
+            grads = _torch_scan.bwd(u, delta, A, B, C, dout, D, z, delta_bias, initial_state,
+                                    dlast_state, delta_softplus, out=buffers)
         return SelectiveScanGrads(*grads)
 
-    call = _Call(u, stream)
+    call = _call.Call(u, "u", stream)
     lib = call.library.lib
-    params, (pu, pA, pB, pC), (ws, ws_address, ws_bytes) = call.scan_operands(
-        delta_softplus, lib.ssm_selective_scan_bwd_workspace_size, u, A, B, C)
+    params, (pu, pA, pB, pC), (ws, ws_address, ws_bytes) = _scan_operands(
+        call, delta_softplus, lib.ssm_selective_scan_bwd_workspace_size, u, A, B, C)
     grads, addresses = [], []
     for x, buffer, name in zip(inputs, buffers, SelectiveScanGrads._fields):
         if buffer is not None:

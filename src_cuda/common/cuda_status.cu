@@ -1,5 +1,7 @@
-// CUDA error mapping and the device guard declared in cuda_status.h.
+// CUDA error mapping, the cached multiprocessor count and the device guard of cuda_status.h.
 #include "cuda_status.h"
+
+#include <atomic>
 
 namespace ssm {
 
@@ -8,6 +10,19 @@ ssm_status cuda_status(cudaError_t err, const char* what) {
   // Clear the non-sticky "last error" so a later unrelated check does not report this one.
   cudaGetLastError();
   return fail(SSM_ERROR_CUDA, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+}
+
+int multiprocessor_count(int device) {
+  static std::atomic<int> cached[64];  // zero: not asked yet
+  int n = device >= 0 && device < 64 ? cached[device].load(std::memory_order_relaxed) : 0;
+  if (n == 0) {
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();  // or the next launch would report this failure as its own
+      return 0;
+    }
+    if (device >= 0 && device < 64) cached[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 CudaDeviceGuard::CudaDeviceGuard(int device) {

@@ -1,5 +1,6 @@
-// Turning CUDA runtime results into libssm statuses with a message, and running launches on the
-// tensors' device while leaving the caller's current device as it was.
+// Turning CUDA runtime results into libssm statuses with a message, the device facts launchers
+// size grids by, and running launches on the tensors' device while leaving the caller's current
+// device as it was.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -11,6 +12,9 @@ namespace ssm {
 // SSM_SUCCESS for cudaSuccess; otherwise records "<what>: <CUDA error string>" and returns
 // SSM_ERROR_CUDA.
 ssm_status cuda_status(cudaError_t err, const char* what);
+
+// The device's multiprocessor count, asked once per device and cached; 0 if the query fails.
+int multiprocessor_count(int device);
 
 // Makes `device` current for the guard's lifetime and restores the previous one after.
 class CudaDeviceGuard {

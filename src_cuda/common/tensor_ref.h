@@ -18,7 +18,8 @@ struct TensorRef {
   Dtype dtype = Dtype::F32;
   int64_t stride[4] = {0, 0, 0, 0};
 
-  bool present() const { return data != nullptr; }
+  // constexpr so device code may call it too (the build passes --expt-relaxed-constexpr).
+  constexpr bool present() const { return data != nullptr; }
 };
 
 }  // namespace ssm

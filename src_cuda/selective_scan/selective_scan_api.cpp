@@ -6,6 +6,7 @@
 
 #include "common/api_guard.h"
 #include "common/dlpack_check.h"
+#include "common/entry_checks.h"
 #include "libssm/selective_scan.h"
 #include "selective_scan/scan_args.h"
 
@@ -13,13 +14,9 @@ namespace ssm {
 namespace {
 
 constexpr int64_t kMaxDstate = 256;
-constexpr uintptr_t kWorkspaceAlignment = 256;
 // The bytes of version 0 of the params struct; later versions append fields after these.
 constexpr size_t kParamsV0Size =
     offsetof(ssm_selective_scan_params, delta_softplus) + sizeof(int32_t);
-#ifndef SSM_WITH_CUDA
-constexpr const char* kNoCuda = "libssm was built without CUDA support";
-#endif
 
 // The shapes a tensor argument can take, apart from the three forms of B and C.
 enum class Shape { Seq, State, Channel, AMatrix };
@@ -187,23 +184,8 @@ ssm_status workspace_needed(const Call& c, bool backward, size_t* bytes) {
   return SSM_SUCCESS;
 #else
   (void)backward;
-  return fail(SSM_ERROR_CUDA, "%s", kNoCuda);
+  return fail_no_cuda();
 #endif
-}
-
-ssm_status check_workspace(const void* workspace, size_t workspace_bytes, size_t needed,
-                           const char* query) {
-  if (needed == 0) return SSM_SUCCESS;
-  if (workspace == nullptr)
-    return fail(SSM_ERROR_WORKSPACE, "workspace: NULL, but this call needs %zu bytes (see %s)",
-                needed, query);
-  if (workspace_bytes < needed)
-    return fail(SSM_ERROR_WORKSPACE, "workspace_bytes: %zu, but this call needs %zu (see %s)",
-                workspace_bytes, needed, query);
-  if (reinterpret_cast<uintptr_t>(workspace) % kWorkspaceAlignment != 0)
-    return fail(SSM_ERROR_WORKSPACE, "workspace: %p is not %zu-byte aligned", workspace,
-                size_t(kWorkspaceAlignment));
-  return SSM_SUCCESS;
 }
 
 ssm_status workspace_size(const ssm_selective_scan_params* params, const DLTensor* u,

@@ -6,10 +6,7 @@
 #include <cmath>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
+#include "common/cpu_threads.h"
 #include "common/half_host.h"
 #include "selective_scan/scan_args.h"
 
@@ -22,25 +19,6 @@ constexpr double kReductionBudgetBytes = 256.0 * 1024 * 1024;
 
 float softplus(float x) { return x <= 20.f ? std::log1p(std::exp(x)) : x; }
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
-
-// Threads for a call doing `work` state updates: starting an OpenMP team costs tens of
-// microseconds, more than small calls take on one thread, so those stay on the caller's thread.
-int max_threads(int64_t work) {
-#ifdef _OPENMP
-  return work < (int64_t(1) << 18) ? 1 : omp_get_max_threads();
-#else
-  (void)work;
-  return 1;
-#endif
-}
-
-int thread_index() {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
 
 float load(const TensorRef& r, int64_t i) { return load_float(r.data, i, r.dtype); }
 void store(const TensorRef& r, int64_t i, float v) { store_float(r.data, i, r.dtype, v); }

@@ -1,7 +1,6 @@
 // CUDA side of the selective scan: grid sizing, the backward workspace layout, dispatch of dstate
 // to the kNpad instantiations (instantiations/*.cu), and the pass that turns the backward's
 // float32 accumulators into the caller's gradient tensors.
-#include <atomic>
 #include <numeric>
 
 #include "../common/cuda_status.h"
@@ -79,19 +78,6 @@ struct FwdLaunch {
     return launch_selective_scan_fwd<kNpad, wide_states(kNpad)>(a, checkpoints, s);
   }
 };
-
-int multiprocessor_count(int device) {
-  static std::atomic<int> cached[64];  // zero: not asked yet
-  int n = device >= 0 && device < 64 ? cached[device].load(std::memory_order_relaxed) : 0;
-  if (n == 0) {
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      cudaGetLastError();  // or the next launch would report this failure as its own
-      return 0;
-    }
-    if (device >= 0 && device < 64) cached[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
 
 // The narrow kernels give a channel 4x the threads at ~1.5x the instructions per state update;
 // they win while the wide grid has fewer than two blocks per SM (batch 1, dim 2048, dstate 32:

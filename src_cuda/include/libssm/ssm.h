@@ -4,6 +4,7 @@
 #define LIBSSM_SSM_H_
 
 #include "libssm/core.h"
+#include "libssm/norm.h"
 #include "libssm/selective_scan.h"
 
 #endif /* LIBSSM_SSM_H_ */

@@ -1,0 +1,209 @@
+// CUDA side of the fused norm: the launch plan (threads per segment and slices kept in registers,
+// by segment length), the backward workspace, the column kernel that sums dweight and dbias when
+// a segment is too long to keep them in registers, and the fixed-order reduction of the per-block
+// partial sums into the caller's dweight and dbias.
+#include <algorithm>
+#include <climits>
+
+#include "../common/cuda_status.h"
+#include "norm_device.cuh"
+#include "norm_plan.h"
+
+namespace ssm {
+namespace {
+
+constexpr size_t kAlign = 256;
+// The backward keeps xhat, dy * w and the dweight/dbias sums of each slice: 4 floats an element,
+// so at most 2 slices a thread fit under the 128 registers a 512-thread block allows.
+constexpr int kBwdMaxSlices = 2;
+constexpr int kColumnThreads = 256;
+
+int pow2_at_least(int64_t n) {
+  int p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+// Slices a thread keeps in registers. Short segments keep one slice and spread over more threads
+// (latency hidden by many segments a block); long ones keep more so a segment needs at most 512.
+int fwd_slices(int nslices) { return nslices <= 128 ? 1 : nslices <= 512 ? 2 : 4; }
+int bwd_slices(int nslices) { return nslices <= 256 ? 1 : kBwdMaxSlices; }
+
+NormPlan shape_plan(const NormArgs& a, int K) {
+  NormPlan p;
+  p.nslices = int((a.group_size + kSlice - 1) / kSlice);
+  p.threads = std::min(kNormMaxThreads, pow2_at_least((p.nslices + K - 1) / K));
+  p.block = std::max(p.threads, 128);
+  return p;
+}
+
+bool aligned(const TensorRef& t, bool rows) {
+  if (!t.present()) return true;
+  const int64_t bytes = t.dtype == Dtype::F32 ? 4 : 2;
+  return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && (!rows || t.stride[0] * bytes % 16 == 0);
+}
+
+bool can_vectorize(const NormArgs& a) {
+  if (a.group_size % kSlice != 0) return false;
+  for (const TensorRef* t : {&a.x, &a.residual, &a.z, &a.y, &a.residual_out, &a.dy,
+                             &a.dresidual_out, &a.dx, &a.dresidual, &a.dz})
+    if (!aligned(*t, true)) return false;
+  return aligned(a.weight, false) && aligned(a.bias, false);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The backward's plan and its workspace: per-row-block partial sums of dweight and dbias, made
+// by the row kernel (fused) or by the column kernel when a segment outgrows the registers.
+struct BwdSetup {
+  int K = 1;
+  NormPlan plan;
+  bool fused = true;
+  int64_t partial_rows = 1;  // row blocks of partial sums
+  size_t workspace = 0;
+
+  BwdSetup(const NormArgs& a, int device) {
+    const int nslices = int((a.group_size + kSlice - 1) / kSlice);
+    K = bwd_slices(nslices);
+    plan = shape_plan(a, K);
+    fused = nslices <= K * plan.threads;
+    const int64_t sms = std::max(1, multiprocessor_count(device));
+    const int64_t slots = plan.block / plan.threads;
+    const int64_t row_blocks_needed = std::max<int64_t>(1, ceil_div(a.rows, slots));
+    if (fused) {
+      // Persistent: as many blocks as fit at once, each summing its rows' dweight in registers.
+      const int per_sm = K == 1 ? norm_bwd_blocks_per_sm<1>(plan.block)
+                                : norm_bwd_blocks_per_sm<kBwdMaxSlices>(plan.block);
+      plan.row_blocks = std::clamp<int64_t>(ceil_div(per_sm * sms, a.ngroups), 1,
+                                            row_blocks_needed);
+      partial_rows = plan.row_blocks;
+    } else {
+      plan.row_blocks = std::min<int64_t>(row_blocks_needed, INT_MAX / a.ngroups);
+      const int64_t column_blocks = ceil_div(a.ngroups * nslices, kColumnThreads);
+      partial_rows = std::clamp<int64_t>(ceil_div(8 * sms, column_blocks), 1,
+                                         std::min<int64_t>(std::max<int64_t>(a.rows, 1), 65535));
+    }
+    workspace = (2 * size_t(partial_rows) * size_t(a.hidden) * sizeof(float) + kAlign - 1) /
+                kAlign * kAlign;
+  }
+};
+
+// dweight and dbias partial sums over rows blockIdx.y, blockIdx.y + gridDim.y, ... for one slice
+// of 8 columns a thread, when the row kernel could not keep them in registers.
+__global__ void __launch_bounds__(kColumnThreads) norm_column_sums_kernel(const NormArgs a,
+                                                                          const NormPlan p,
+                                                                          float* partial) {
+  using namespace norm_detail;
+  const int64_t slice = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (slice >= a.ngroups * p.nslices) return;
+  const int64_t group = slice / p.nslices;
+  const int v = int(slice % p.nslices);
+  Slices<1> s;
+  s.vec = p.vec;
+  s.col[0] = group * a.group_size + int64_t(v) * kSlice;
+  const int64_t left = a.group_size - int64_t(v) * kSlice;
+  s.n[0] = int(left < kSlice ? left : kSlice);
+  Slice dw = {}, db = {};
+#pragma unroll 4
+  for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) {
+    s.row = r;
+    const float mean = a.layer_norm ? load_stat(a.mean, r, group) : 0.f;
+    Slice xhat[1], dye[1], wdy[1];
+    backward_terms(a, s, mean, load_stat(a.rstd, r, group), xhat, dye, wdy);
+#pragma unroll
+    for (int e = 0; e < kSlice; ++e) {
+      dw[e] += dye[0][e] * xhat[0][e];
+      db[e] += dye[0][e];
+    }
+  }
+  float* out_w = partial + int64_t(blockIdx.y) * a.hidden + s.col[0];
+  float* out_b = out_w + int64_t(gridDim.y) * a.hidden;
+#pragma unroll
+  for (int e = 0; e < kSlice; ++e) {
+    if (e >= s.n[0]) break;
+    out_w[e] = dw[e];
+    out_b[e] = db[e];
+  }
+}
+
+// dweight[j] (blockIdx.y 0) or dbias[j] (1): the partial rows added in a fixed order, so the
+// bits never change. 32 columns a block; each of the 32 warps sums every 32nd partial row of
+// them, then one warp adds the 32 warp totals in warp order.
+constexpr int kReduceSplit = 32;
+
+__global__ void __launch_bounds__(32 * kReduceSplit) norm_reduce_partials_kernel(
+    const float* partial, int64_t partial_rows, int64_t hidden, TensorRef dweight,
+    TensorRef dbias) {
+  __shared__ float totals[kReduceSplit][33];
+  const TensorRef& out = blockIdx.y == 0 ? dweight : dbias;
+  if (!out.present()) return;
+  const int lane = threadIdx.x & 31, split = threadIdx.x >> 5;
+  const int64_t j = int64_t(blockIdx.x) * 32 + lane;
+  const float* src = partial + blockIdx.y * partial_rows * hidden + j;
+  float s = 0.f;
+  if (j < hidden) {
+#pragma unroll 4
+    for (int64_t b = split; b < partial_rows; b += kReduceSplit) s += src[b * hidden];
+  }
+  totals[split][lane] = s;
+  __syncthreads();
+  if (split != 0 || j >= hidden) return;
+  float total = 0.f;
+  for (int q = 0; q < kReduceSplit; ++q) total += totals[q][lane];
+  store_from_float(out.data, j, out.dtype, total);
+}
+
+}  // namespace
+
+size_t norm_bwd_cuda_workspace(const NormArgs& a, int device) {
+  CudaDeviceGuard guard(device);
+  return BwdSetup(a, device).workspace;
+}
+
+ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
+  CudaDeviceGuard guard(device);
+  if (guard.status() != SSM_SUCCESS) return guard.status();
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (a.rows == 0) return SSM_SUCCESS;
+  const int nslices = int((a.group_size + kSlice - 1) / kSlice);
+  const int K = fwd_slices(nslices);
+  NormPlan p = shape_plan(a, K);
+  p.vec = can_vectorize(a);
+  p.row_blocks = std::min<int64_t>(ceil_div(a.rows, p.block / p.threads), INT_MAX / a.ngroups);
+  const cudaError_t err = K == 1   ? launch_norm_fwd<1>(a, p, s)
+                          : K == 2 ? launch_norm_fwd<2>(a, p, s)
+                                   : launch_norm_fwd<4>(a, p, s);
+  return cuda_status(err, "norm_fwd launch");
+}
+
+ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* stream) {
+  CudaDeviceGuard guard(device);
+  if (guard.status() != SSM_SUCCESS) return guard.status();
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  BwdSetup setup(a, device);
+  NormPlan& p = setup.plan;
+  p.vec = can_vectorize(a);
+  const bool sums = a.dweight.present() || a.dbias.present();
+  float* partial = static_cast<float*>(workspace);
+  if (setup.fused && sums) p.partial = partial;
+
+  cudaError_t err = cudaSuccess;
+  // The row kernel also runs with no rows when it is the one writing the (zero) partial sums.
+  if (a.rows > 0 || p.partial != nullptr)
+    err = setup.K == 1 ? launch_norm_bwd<1>(a, p, s) : launch_norm_bwd<kBwdMaxSlices>(a, p, s);
+  if (err == cudaSuccess && sums && !setup.fused) {
+    const dim3 grid(unsigned(ceil_div(a.ngroups * p.nslices, kColumnThreads)),
+                    unsigned(setup.partial_rows));
+    norm_column_sums_kernel<<<grid, kColumnThreads, 0, s>>>(a, p, partial);
+    err = cudaGetLastError();
+  }
+  if (err == cudaSuccess && sums) {
+    const dim3 grid(unsigned(ceil_div(a.hidden, 32)), 2);
+    norm_reduce_partials_kernel<<<grid, 32 * kReduceSplit, 0, s>>>(
+        partial, setup.partial_rows, a.hidden, a.dweight, a.dbias);
+    err = cudaGetLastError();
+  }
+  return cuda_status(err, "norm_bwd launch");
+}
+
+}  // namespace ssm

@@ -1,0 +1,284 @@
+// Device helpers the fused-norm kernels share (norm_kernels.cuh and the column sums in
+// norm_cuda.cu): where a thread's segment lies, segment-wide sums, and the pieces of the forward
+// and backward formulas of libssm/norm.h, each applied to N slices at once.
+//
+// Every helper issues the loads of all N slices before it uses or stores any of them: a store
+// between two loads would stop the compiler from hoisting the second (it cannot rule out that
+// they alias), leaving one slice's worth of loads in flight per thread instead of N.
+#pragma once
+
+#include <cstdint>
+
+#include "norm_plan.h"
+#include "norm_vec.cuh"
+
+namespace ssm {
+namespace norm_detail {
+
+// Sums M values over the `threads` threads of each segment; every thread gets the totals, in
+// the same bits (butterfly shuffles, then warp partials added in warp order). `red` is shared
+// memory of (blockDim / 32) * M floats. Called by every thread of the block.
+template <int M>
+__device__ __forceinline__ void segment_sum(float (&v)[M], int threads, float* red) {
+  const int width = threads < 32 ? threads : 32;
+  for (int o = 1; o < width; o <<= 1) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+  }
+  if (threads <= 32) return;
+  const int warp = threadIdx.x >> 5;
+  __syncthreads();  // the previous call's readers are done with `red`
+  if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) red[warp * M + i] = v[i];
+  }
+  __syncthreads();
+  const int warps = threads >> 5;
+  const int first = (warp / warps) * warps;
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    float s = 0.f;
+    for (int w = 0; w < warps; ++w) s += red[(first + w) * M + i];
+    v[i] = s;
+  }
+}
+
+// Where a thread's work lies: its segment lane and slot, and the group of its block.
+struct Place {
+  int lane, slot, slots;
+  int64_t group, row_block, col0;  // col0: first column of the group
+  __device__ Place(const NormArgs& a, const NormPlan& p) {
+    lane = threadIdx.x & (p.threads - 1);
+    slot = threadIdx.x / p.threads;
+    slots = blockDim.x / p.threads;
+    group = blockIdx.x % a.ngroups;
+    row_block = blockIdx.x / a.ngroups;
+    col0 = group * a.group_size;
+  }
+};
+
+// N slices of one row: first column and valid length of each; n == 0 marks a slice to skip
+// (past the segment, or a row past the end), whose values read as 0.
+template <int N>
+struct Slices {
+  int64_t row;
+  int64_t col[N];
+  int n[N];
+  bool vec;
+};
+
+using Slice = float[kSlice];
+
+template <int N>
+__device__ __forceinline__ void load_rows(const TensorRef& t, const Slices<N>& s, Slice (&v)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    if (s.n[k] > 0) {
+      load_slice(t.data, t.dtype, s.row * t.stride[0] + s.col[k], s.n[k], s.vec, v[k]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) v[k][e] = 0.f;
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void store_rows(const TensorRef& t, const Slices<N>& s,
+                                           const Slice (&v)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k)
+    if (s.n[k] > 0) store_slice(t.data, t.dtype, s.row * t.stride[0] + s.col[k], s.n[k], s.vec, v[k]);
+}
+
+// A (hidden,) operand at the slices' columns (weight or bias).
+template <int N>
+__device__ __forceinline__ void load_cols(const TensorRef& t, const Slices<N>& s, Slice (&v)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    if (s.n[k] > 0) {
+      load_slice(t.data, t.dtype, s.col[k], s.n[k], s.vec, v[k]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) v[k][e] = 0.f;
+    }
+  }
+}
+
+// w[j]: weight (+1 when zero-centred), or 1 without a weight.
+template <int N>
+__device__ __forceinline__ void load_scale(const NormArgs& a, const Slices<N>& s,
+                                           Slice (&w)[N]) {
+  if (!a.weight.present()) {
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) w[k][e] = 1.f;
+    return;
+  }
+  load_cols(a.weight, s, w);
+  if (a.zero_centered_weight) {
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) w[k][e] += 1.f;
+  }
+}
+
+__device__ __forceinline__ float silu(float z) { return z * sigmoid(z); }
+
+__device__ __forceinline__ float silu_grad(float z) {
+  const float sg = sigmoid(z);
+  return sg * (1.f + z * (1.f - sg));
+}
+
+// The normalised input g (formula in libssm/norm.h) into g; t is scratch. The forward's first
+// visit passes write_residual so residual_out gets s exactly once.
+template <int N>
+__device__ __forceinline__ void load_g(const NormArgs& a, const Slices<N>& s,
+                                       bool write_residual, Slice (&g)[N], Slice (&t)[N]) {
+  load_rows(a.x, s, g);
+  if (a.residual.present()) {
+    load_rows(a.residual, s, t);
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) g[k][e] += t[k][e];
+  }
+  if (write_residual && a.residual_out.present()) store_rows(a.residual_out, s, g);
+  if (a.z.present() && !a.norm_before_gate) {
+    load_rows(a.z, s, t);
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) g[k][e] *= silu(t[k][e]);
+  }
+}
+
+// y from g, given the segment's mean and rstd; g and t are overwritten.
+template <int N>
+__device__ __forceinline__ void store_y(const NormArgs& a, const Slices<N>& s, float mean,
+                                        float rstd, Slice (&g)[N], Slice (&t)[N]) {
+  load_scale(a, s, t);
+#pragma unroll
+  for (int k = 0; k < N; ++k)
+#pragma unroll
+    for (int e = 0; e < kSlice; ++e) g[k][e] = (g[k][e] - mean) * rstd * t[k][e];
+  if (a.bias.present()) {
+    load_cols(a.bias, s, t);
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) g[k][e] += t[k][e];
+  }
+  if (a.z.present() && a.norm_before_gate) {
+    load_rows(a.z, s, t);
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) g[k][e] *= silu(t[k][e]);
+  }
+  store_rows(a.y, s, g);
+}
+
+__device__ __forceinline__ void store_stat(const TensorRef& t, int64_t r, int64_t group,
+                                           float v) {
+  static_cast<float*>(t.data)[r * t.stride[0] + group * t.stride[1]] = v;
+}
+
+__device__ __forceinline__ float load_stat(const TensorRef& t, int64_t r, int64_t group) {
+  return static_cast<const float*>(t.data)[r * t.stride[0] + group * t.stride[1]];
+}
+
+// The backward's per-element terms from the forward's inputs and statistics:
+// xhat = (g - mean) * rstd, dye = the gradient reaching the affine output o, wdy = dye * w.
+template <int N>
+__device__ __forceinline__ void backward_terms(const NormArgs& a, const Slices<N>& s, float mean,
+                                               float rstd, Slice (&xhat)[N], Slice (&dye)[N],
+                                               Slice (&wdy)[N]) {
+  load_rows(a.x, s, xhat);
+  load_rows(a.dy, s, dye);
+  if (a.z.present()) {
+    load_rows(a.z, s, wdy);
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) {
+        const float gate = silu(wdy[k][e]);
+        if (a.norm_before_gate) dye[k][e] *= gate;
+        else xhat[k][e] *= gate;
+      }
+  }
+  load_scale(a, s, wdy);
+#pragma unroll
+  for (int k = 0; k < N; ++k)
+#pragma unroll
+    for (int e = 0; e < kSlice; ++e) {
+      xhat[k][e] = (xhat[k][e] - mean) * rstd;
+      wdy[k][e] *= dye[k][e];
+    }
+}
+
+// The row-shaped gradients: dg from the terms and the segment constants c1 = mean(wdy * xhat),
+// c2 = mean(wdy) (0 for RMSNorm), then through the gate and the residual stream. xhat and wdy
+// are overwritten; t and u are scratch.
+template <int N>
+__device__ __forceinline__ void store_grads(const NormArgs& a, const Slices<N>& s, float rstd,
+                                            float c1, float c2, Slice (&xhat)[N],
+                                            Slice (&wdy)[N], Slice (&t)[N]) {
+  // ds (in wdy) = rstd * (wdy - xhat * c1 - c2)
+#pragma unroll
+  for (int k = 0; k < N; ++k)
+#pragma unroll
+    for (int e = 0; e < kSlice; ++e) wdy[k][e] = rstd * (wdy[k][e] - xhat[k][e] * c1 - c2);
+  if (a.z.present()) {
+    if (a.norm_before_gate) {
+      // y = o * silu(z): dz = dy * o * silu'(z), with o = xhat * w + b rebuilt in xhat.
+      load_scale(a, s, t);
+#pragma unroll
+      for (int k = 0; k < N; ++k)
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) xhat[k][e] *= t[k][e];
+      if (a.bias.present()) {
+        load_cols(a.bias, s, t);
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+#pragma unroll
+          for (int e = 0; e < kSlice; ++e) xhat[k][e] += t[k][e];
+      }
+      load_rows(a.dy, s, t);
+#pragma unroll
+      for (int k = 0; k < N; ++k)
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) xhat[k][e] *= t[k][e];
+      load_rows(a.z, s, t);
+#pragma unroll
+      for (int k = 0; k < N; ++k)
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) xhat[k][e] *= silu_grad(t[k][e]);
+    } else {
+      // g = s * silu(z): ds = dg * silu(z), dz = dg * s * silu'(z).
+      load_rows(a.x, s, xhat);
+      load_rows(a.z, s, t);
+#pragma unroll
+      for (int k = 0; k < N; ++k)
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) {
+          xhat[k][e] *= wdy[k][e] * silu_grad(t[k][e]);
+          wdy[k][e] *= silu(t[k][e]);
+        }
+    }
+  }
+  if (a.dresidual_out.present()) {
+    load_rows(a.dresidual_out, s, t);
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) wdy[k][e] += t[k][e];
+  }
+  if (a.z.present() && a.dz.present()) store_rows(a.dz, s, xhat);
+  if (a.dx.present()) store_rows(a.dx, s, wdy);
+  if (a.dresidual.present()) store_rows(a.dresidual, s, wdy);
+}
+
+}  // namespace norm_detail
+}  // namespace ssm

@@ -1,0 +1,43 @@
+// How the fused-norm kernels cut the work. A "segment" is one (row, group) pair: group_size
+// contiguous columns normalised together. `threads` consecutive threads of a block (a power of
+// two) work on one segment, each holding slices v = lane, lane + threads, ... of 8 columns; a block
+// holds blockDim / threads such segments side by side, all of the same group, and walks down the
+// rows.
+//
+// Each thread keeps its first K slices in registers between the passes a norm needs (statistics,
+// then output), so the row is read from memory once. Segments longer than threads * K * 8 columns
+// read the remaining slices again in the later passes; those come back from L1/L2 (a block works
+// on one segment at a time at those lengths), not from DRAM.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "norm_args.h"
+
+namespace ssm {
+
+constexpr int kNormMaxThreads = 512;
+
+struct NormPlan {
+  int threads = 1;            // threads per segment, a power of two
+  int block = 128;            // threads per block
+  int64_t row_blocks = 1;     // blocks along the rows of each group; grid = row_blocks * ngroups
+  int nslices = 1;            // ceil(group_size / 8)
+  bool vec = false;           // every row-shaped operand is 16-byte aligned and group_size % 8 == 0
+  float* partial = nullptr;   // backward: (row_blocks, hidden) dweight then dbias partial sums,
+                              // or nullptr when neither is wanted or the column kernel sums them
+};
+
+// Launchers, one explicit instantiation per file under instantiations/.
+template <int K>
+cudaError_t launch_norm_fwd(const NormArgs& a, const NormPlan& p, cudaStream_t stream);
+template <int K>
+cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t stream);
+
+// How many blocks of `block` threads of the backward kernel fit on one SM.
+template <int K>
+int norm_bwd_blocks_per_sm(int block);
+
+}  // namespace ssm

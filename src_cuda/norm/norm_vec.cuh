@@ -1,0 +1,82 @@
+// Eight-element slices of a row, loaded and stored as float32 whatever the tensor's dtype. The
+// norm kernels move every row-shaped operand through these: one 16-byte access per slice for
+// 16-bit dtypes (two for float32) when the row is aligned for it, element by element otherwise,
+// with the dtype and the alignment as uniform run-time branches instead of template switches.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "../common/device_dtype.cuh"
+
+namespace ssm {
+
+constexpr int kSlice = 8;
+
+// Element `i` onward of `p` into v[0..7]; with `vec` false only the first `n` are read and the
+// rest are 0. `vec` promises 16-byte alignment and a whole slice.
+__device__ __forceinline__ void load_slice(const void* p, Dtype d, int64_t i, int n, bool vec,
+                                           float (&v)[kSlice]) {
+  if (vec) {
+    if (d == Dtype::F32) {
+      const float4* q = reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
+      const float4 a = q[0], b = q[1];
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+      v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+      return;
+    }
+    const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p) + i);
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (d == Dtype::BF16) {
+        v[2 * k] = __uint_as_float(w[k] << 16);
+        v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+      } else {
+        __half2 h;
+        memcpy(&h, &w[k], sizeof h);
+        const float2 f = __half22float2(h);
+        v[2 * k] = f.x;
+        v[2 * k + 1] = f.y;
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kSlice; ++k) v[k] = k < n ? load_as_float(p, i + k, d) : 0.f;
+}
+
+// v[0..7] (or the first `n` without `vec`) rounded to `d` and stored from element `i` onward.
+__device__ __forceinline__ void store_slice(void* p, Dtype d, int64_t i, int n, bool vec,
+                                            const float (&v)[kSlice]) {
+  if (vec) {
+    if (d == Dtype::F32) {
+      float4* q = reinterpret_cast<float4*>(static_cast<float*>(p) + i);
+      q[0] = make_float4(v[0], v[1], v[2], v[3]);
+      q[1] = make_float4(v[4], v[5], v[6], v[7]);
+      return;
+    }
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (d == Dtype::BF16) {
+        const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+        memcpy(&w[k], &b, sizeof b);
+      } else {
+        const __half2 h = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
+        memcpy(&w[k], &h, sizeof h);
+      }
+    }
+    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p) + i) = make_uint4(w[0], w[1], w[2], w[3]);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kSlice; ++k)
+    if (k < n) store_from_float(p, i + k, d, v[k]);
+}
+
+__device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + __expf(-z)); }
+
+}  // namespace ssm

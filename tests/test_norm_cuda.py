@@ -1,0 +1,399 @@
+"""The fused norm on a CUDA GPU (select with -m cuda; skipped without one): the CPU suite's rows
+plus sizes on and beside every kernel path (hidden 1, 7, 4097, 16384/16385, 20000 and 65536;
+rows 0, 1 and thousands; many small groups), every dtype and dtype mix, strided and misaligned
+rows, against the float64 references and libssm's own CPU path. Outputs and gradient buffers
+start NaN-filled, so anything left unwritten fails; dweight/dbias must be the same bits run to
+run; the stream rules are checked by making the wrong stream give wrong answers."""
+import pytest
+import torch
+
+import libssm
+from harness import DTYPE_IDS, DTYPES, poisoned_like
+from norm_harness import (BASE, GATED, LAYER, ROWS, NormCApi, backward_input, c_forward_backward,
+                          case_id, check_agree, check_backward, check_forward, only_view_written,
+                          reference_backward, reference_forward, row_strided, run_backward,
+                          run_forward, run_norm, storage_copy, to_cpu)
+from references import assert_close, make_norm_cotangents, make_norm_inputs
+
+pytestmark = pytest.mark.cuda
+dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+
+# Sizes chosen against the kernels' plan (norm_plan.h): segments of 8-column slices held in
+# registers up to a per-thread count and re-read beyond it, so hidden 1 and 7 (less than one
+# slice), 4097 (one column past a power of two: a partial slice, no vector loads), 16384 and
+# 16385 (either side of the largest register-resident row), 20000 and 65536 (re-read slices;
+# 65536 is the limit); group sizes that are tiny (1, 8) or not multiples of 8 (241); rows from
+# 1 to 8192, the latter spreading dweight/dbias over many blocks' partial sums.
+AWKWARD_ROWS = (
+    GATED.replace(hidden=1, group_size=0, lead=(5000,)),
+    LAYER.replace(hidden=7, residual=True, z=True, lead=(1000,)),
+    GATED.replace(hidden=4097, group_size=241, lead=(33,)),
+    LAYER.replace(hidden=4097, residual=True, prenorm=True, z=True, lead=(33,)),
+    BASE.replace(hidden=16384, bias=True, lead=(7,)),
+    LAYER.replace(hidden=16385, lead=(5,), residual=True),
+    GATED.replace(hidden=20000, group_size=0, lead=(3,)),
+    LAYER.replace(hidden=20000, z=True, norm_before_gate=False, lead=(2,)),
+    BASE.replace(hidden=65536, lead=(3,), residual=True, z=True),
+    LAYER.replace(hidden=65536, lead=(1,), residual=True, z=True, norm_before_gate=False),
+    GATED.replace(hidden=65536, group_size=8192, lead=(2,)),
+    GATED.replace(hidden=2048, group_size=8, lead=(96,)),
+    GATED.replace(hidden=4096, group_size=128, kind="layer", bias=True, lead=(64,)),
+    GATED.replace(hidden=1024, lead=(8192,), bias=True),
+    LAYER.replace(hidden=768, lead=(4, 1025), residual=True),
+    GATED.replace(lead=(1,), hidden=8192, group_size=0),
+)
+CUDA_ROWS = ROWS + AWKWARD_ROWS
+
+
+def forward_on_gpu_and_cpu(case, inputs, **extra):
+    """The forward through the generic API into a NaN-filled out=, against the references and
+    against the library's CPU path on the same inputs. Returns the GPU NormForward."""
+    out = poisoned_like(inputs["x"])
+    fwd = run_forward(case, inputs, out=out, **extra)
+    assert fwd.y is out and all(t is None or t.is_cuda for t in fwd)
+    cpu_inputs = to_cpu(inputs)
+    gpu = libssm.NormForward(*(None if t is None else t.cpu() for t in fwd))
+    refs = check_forward(case, cpu_inputs, gpu, residual_dtype=extra.get("residual_dtype"))
+    cpu = run_forward(case, cpu_inputs, **extra)
+    check_agree({k: v for k, v in gpu._asdict().items() if k in refs}, cpu._asdict(), refs)
+    return fwd
+
+
+def backward_on_gpu_and_cpu(case, inputs, dy, dres, residual_dtype=None):
+    """Forward and backward through the C entry points into NaN-filled buffers (dresidual
+    float32 too), then the backward through the generic API; both against the references and
+    against the library's CPU path."""
+    fwd, s, grads = c_forward_backward(case, inputs, dy, dres, residual_dtype=residual_dtype,
+                                       dresidual_dtype=torch.float32)
+    torch.cuda.synchronize()
+    cpu_inputs, s_cpu = to_cpu(inputs), s.cpu()
+    dy_cpu, dres_cpu = dy.cpu(), None if dres is None else dres.cpu()
+    gpu = libssm.NormGrads(*(None if g is None else g.cpu() for g in grads))
+    refs = check_backward(case, s_cpu, cpu_inputs, dy_cpu, dres_cpu, gpu,
+                          dresidual_dtype=torch.float32)
+    api = run_backward(case, inputs, fwd, dy, dres)
+    check_backward(case, s_cpu, cpu_inputs, dy_cpu, dres_cpu,
+                   libssm.NormGrads(*(None if g is None else g.cpu() for g in api)), refs=refs)
+    cpu_fwd = libssm.NormForward(*(None if t is None else t.cpu() for t in fwd))
+    cpu = run_backward(case, cpu_inputs, cpu_fwd, dy_cpu, dres_cpu, residual_dtype=torch.float32
+                       if s.dtype != torch.float32 else None)
+    expected = cpu._asdict()
+    if expected["dresidual"] is None:
+        expected["dresidual"] = expected["dx"]
+    check_agree(gpu._asdict(), expected, refs)
+    return gpu
+
+
+@pytest.mark.parametrize("case", CUDA_ROWS, ids=case_id)
+@dtypes
+def test_forward(case, dtype, seed):
+    forward_on_gpu_and_cpu(case, make_norm_inputs(case, dtype, seed, device="cuda"))
+
+
+@pytest.mark.parametrize("case", CUDA_ROWS, ids=case_id)
+@dtypes
+def test_backward(case, dtype, seed):
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda")
+    dy, dres = make_norm_cotangents(case, dtype, seed, device="cuda")
+    backward_on_gpu_and_cpu(case, inputs, dy, dres)
+
+
+@pytest.mark.parametrize("case", [BASE, GATED, LAYER.replace(residual=True, prenorm=True)],
+                         ids=case_id)
+@dtypes
+def test_rms_norm_and_layer_norm(case, dtype, seed):
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda")
+    result = run_norm(case, inputs)
+    y, residual_out = result if case.prenorm else (result, None)
+    refs = reference_forward(case, to_cpu(inputs))
+    assert_close("y", y.cpu(), *refs["y"])
+    if case.prenorm:
+        assert_close("residual_out", residual_out.cpu(), *refs["residual_out"])
+
+
+# Dtype mixes a model runs: weights kept in float32 beside half-precision activations, the
+# residual stream in float32 beside bf16 x (arriving in either dtype), weights in the input
+# dtype, and a y of its own dtype through the C entry point.
+MIXES = {
+    "bf16-x-fp32-weight": dict(dtype=torch.bfloat16, dtypes={"weight": torch.float32,
+                                                             "bias": torch.float32}),
+    "fp16-x-fp32-weight": dict(dtype=torch.float16, dtypes={"weight": torch.float32,
+                                                            "bias": torch.float32}),
+    "fp32-x-bf16-weight": dict(dtype=torch.float32, dtypes={"weight": torch.bfloat16,
+                                                            "bias": torch.bfloat16}),
+    "bf16-x-fp32-residual-stream": dict(dtype=torch.bfloat16,
+                                        dtypes={"residual": torch.float32},
+                                        residual_dtype=torch.float32),
+    "bf16-x-bf16-residual-fp32-stream": dict(dtype=torch.bfloat16,
+                                             residual_dtype=torch.float32),
+    "fp16-x-fp16-residual-bf16-stream": dict(dtype=torch.float16,
+                                             residual_dtype=torch.bfloat16),
+    "fp16-z-beside-bf16-x": dict(dtype=torch.bfloat16, dtypes={"z": torch.float16}),
+}
+
+
+@pytest.mark.parametrize("case", [GATED.replace(bias=True),
+                                  LAYER.replace(hidden=4097, residual=True, z=True, lead=(9,)),
+                                  BASE.replace(hidden=20000, residual=True, bias=True,
+                                               lead=(3,))], ids=case_id)
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_dtype_mixes(mix, case, seed):
+    m = MIXES[mix]
+    inputs = make_norm_inputs(case, m["dtype"], seed, device="cuda", dtypes=m.get("dtypes"))
+    residual_dtype = m.get("residual_dtype")
+    extra = {} if residual_dtype is None else {"residual_dtype": residual_dtype}
+    forward_on_gpu_and_cpu(case, inputs, **extra)
+    dy, dres = make_norm_cotangents(case, m["dtype"], seed, device="cuda",
+                                    dresidual_dtype=residual_dtype)
+    backward_on_gpu_and_cpu(case, inputs, dy, dres, residual_dtype=residual_dtype)
+
+
+def test_c_every_dtype_independent(seed):
+    case = GATED.replace(bias=True, hidden=1000, group_size=200)
+    dtypes = {"x": torch.bfloat16, "residual": torch.float32, "z": torch.float16,
+              "weight": torch.bfloat16, "bias": torch.float32}
+    inputs = make_norm_inputs(case, torch.float32, seed, device="cuda", dtypes=dtypes)
+    dy, dres = make_norm_cotangents(case, torch.float16, seed, device="cuda",
+                                    dresidual_dtype=torch.bfloat16)
+    fwd, s, grads = c_forward_backward(case, inputs, dy, dres, y_dtype=torch.float32,
+                                       residual_dtype=torch.float16,
+                                       dresidual_dtype=torch.float32)
+    torch.cuda.synchronize()
+    cpu = to_cpu(inputs)
+    refs = reference_forward(case, cpu)
+    for name in ("y", "residual_out", "rstd"):
+        assert_close(name, getattr(fwd, name).cpu(), *refs[name])
+    check_backward(case, s.cpu(), cpu, dy.cpu(), dres.cpu(),
+                   libssm.NormGrads(*(None if g is None else g.cpu() for g in grads)),
+                   dresidual_dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts.
+
+
+@pytest.mark.parametrize("case", [GATED, LAYER.replace(residual=True, z=True, lead=(2, 3, 4)),
+                                  BASE.replace(hidden=4096, residual=True, lead=(17,)),
+                                  BASE.replace(hidden=20000, z=True, lead=(3,))], ids=case_id)
+@pytest.mark.parametrize("pad, offset", [(8, 8), (5, 3), (1, 1)],
+                         ids=["aligned", "odd", "one"])
+@dtypes
+def test_strided_rows(case, pad, offset, dtype, seed):
+    # Rows of every row-shaped input and output sit apart in larger buffers. "aligned" keeps
+    # 16-byte alignment for every dtype; the others break it (the kernels must notice and not
+    # use vector loads). Outputs are written through the same strides, gaps left alone.
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda")
+    views = dict(inputs, **{n: row_strided(inputs[n], pad, offset)
+                            for n in ("x", "residual", "z") if inputs[n] is not None})
+    api = NormCApi()
+    x = inputs["x"]
+    y = row_strided(poisoned_like(x), pad, offset)
+    residual_out = row_strided(poisoned_like(x), pad, offset) if case.residual else None
+    before = {"y": storage_copy(y)}
+    stats = torch.full((case.rows,) if case.ngroups == 1 else (case.rows, case.ngroups),
+                       float("nan"), device="cuda")
+    mean = stats.clone() if case.kind == "layer" else None
+    api.forward(case, views, y, residual_out, mean, stats)
+    torch.cuda.synchronize()
+    assert only_view_written(y, before["y"])
+    fwd = libssm.NormForward(y.cpu(), None if residual_out is None else residual_out.cpu(),
+                             None if mean is None else mean.cpu(), stats.cpu())
+    check_forward(case, to_cpu(inputs), fwd)
+    dy, dres = make_norm_cotangents(case, dtype, seed, device="cuda")
+    s = residual_out if case.residual else views["x"]
+    grads = {"dx": row_strided(poisoned_like(s), pad, offset),
+             "dweight": poisoned_like(inputs["weight"]),
+             "dz": None if inputs["z"] is None else row_strided(poisoned_like(x), pad, offset)}
+    api.backward(case, s, views, mean, stats, row_strided(dy, pad, offset),
+                 None if dres is None else row_strided(dres, pad, offset), grads)
+    torch.cuda.synchronize()
+    got = libssm.NormGrads(grads["dx"].cpu(), None, grads["dweight"].cpu(), None,
+                           None if grads["dz"] is None else grads["dz"].cpu())
+    refs = reference_backward(case, s.cpu(), to_cpu(inputs), dy.cpu(),
+                              None if dres is None else dres.cpu())
+    for name, g in got._asdict().items():
+        if g is not None:
+            assert_close(name, g, *refs[name])
+
+
+@pytest.mark.parametrize("case", [GATED.replace(lead=(0,), bias=True),
+                                  LAYER.replace(lead=(0, 3), residual=True, z=True,
+                                                hidden=4097)], ids=case_id)
+def test_rows_zero(case, seed):
+    inputs = make_norm_inputs(case, torch.float32, seed, device="cuda")
+    fwd = run_forward(case, inputs)
+    assert fwd.y.shape == inputs["x"].shape and fwd.y.is_cuda
+    dy, dres = make_norm_cotangents(case, torch.float32, seed, device="cuda")
+    _, _, grads = c_forward_backward(case, inputs, dy, dres)
+    torch.cuda.synchronize()
+    for name in ("dweight", "dbias"):
+        g = getattr(grads, name)
+        assert torch.equal(g.cpu(), torch.zeros(g.shape)), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism.
+
+
+@pytest.mark.parametrize("case, dtype", [
+    (GATED.replace(bias=True, hidden=1024, lead=(8192,)), torch.bfloat16),
+    (LAYER.replace(hidden=4097, lead=(3000,), residual=True, z=True), torch.float32),
+    (BASE.replace(hidden=20000, lead=(600,), bias=True), torch.float16),
+    (GATED.replace(hidden=7, group_size=1, lead=(50000,), bias=True), torch.float32),
+], ids=lambda v: case_id(v) if hasattr(v, "label") else DTYPE_IDS[v])
+def test_weight_gradients_bitwise_deterministic(case, dtype, seed):
+    # dweight and dbias are sums over rows in a fixed order: the same inputs give the same bits
+    # on every run, with float32 weights beside low-precision x (the partial sums' dtype).
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda",
+                              dtypes={"weight": torch.float32, "bias": torch.float32})
+    dy, dres = make_norm_cotangents(case, dtype, seed, device="cuda")
+    fwd = run_forward(case, inputs)
+    first = run_backward(case, inputs, fwd, dy, dres)
+    for _ in range(3):
+        again = run_backward(case, inputs, fwd, dy, dres)
+        assert torch.equal(again.dweight, first.dweight)
+        if case.bias:
+            assert torch.equal(again.dbias, first.dbias)
+        assert torch.equal(again.dx, first.dx)
+    torch.cuda.synchronize()
+    refs = reference_backward(case, backward_input(case, to_cpu(inputs),
+                                                   None if fwd.residual_out is None
+                                                   else fwd.residual_out.cpu()),
+                              to_cpu(inputs), dy.cpu(), None if dres is None else dres.cpu())
+    assert_close("dweight", first.dweight.cpu(), *refs["dweight"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Streams: make the wrong stream visibly wrong. A stream is kept busy with a long sleep, then
+# the inputs are overwritten on it; work launched on any other stream would read the old values.
+
+BUSY_CYCLES = 200_000_000  # ~0.1 s of GPU time
+
+
+def _stream_case(seed):
+    case = GATED.replace(bias=True, hidden=4096, group_size=1024, lead=(256,))
+    old = make_norm_inputs(case, torch.float32, seed, device="cuda")
+    new = make_norm_inputs(case, torch.float32, seed + 1, device="cuda")
+    torch.cuda.synchronize()
+    return case, old, new
+
+
+def _overwrite(x, new):
+    for n, t in new.items():
+        if t is not None:
+            x[n].copy_(t)
+
+
+def test_runs_on_torch_current_stream(seed):
+    case, x, new = _stream_case(seed)
+    dy, dres = make_norm_cotangents(case, torch.float32, seed, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(BUSY_CYCLES)
+        _overwrite(x, new)
+        fwd = run_forward(case, x)
+        grads = run_backward(case, x, fwd, dy, dres)
+    stream.synchronize()
+    cpu = to_cpu(new)
+    check_forward(case, cpu, libssm.NormForward(*(None if t is None else t.cpu() for t in fwd)))
+    check_backward(case, fwd.residual_out.cpu(), cpu, dy.cpu(), dres.cpu(),
+                   libssm.NormGrads(*(None if g is None else g.cpu() for g in grads)))
+
+
+def test_runs_on_explicit_stream(seed):
+    case, x, new = _stream_case(seed)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(BUSY_CYCLES)
+        _overwrite(x, new)
+    out = poisoned_like(x["x"])
+    stream.wait_stream(torch.cuda.current_stream())  # out's NaN fill precedes the op
+    fwd = run_forward(case, x, out=out, stream=stream)
+    stream.synchronize()
+    check_forward(case, to_cpu(new), libssm.NormForward(*(None if t is None else t.cpu()
+                                                          for t in fwd)))
+
+
+def test_cuda_graph_capture_python_api(seed):
+    # libssm.norm_fwd with a static out= captured in a CUDA graph; replays after new values are
+    # copied into the static inputs give the new results.
+    case = GATED.replace(bias=True, hidden=2048, group_size=512, lead=(64,))
+    static = {k: None if v is None else v.clone()
+              for k, v in make_norm_inputs(case, torch.float16, seed, device="cuda").items()}
+    out = poisoned_like(static["x"])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run_forward(case, static, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd = run_forward(case, static, out=out)
+    for i in range(2):
+        inputs = make_norm_inputs(case, torch.float16, seed + 1 + i, device="cuda")
+        _overwrite(static, inputs)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_forward(case, to_cpu(inputs),
+                      libssm.NormForward(*(None if t is None else t.cpu() for t in fwd)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Extreme values and 64-bit offsets.
+
+EXTREME_ROWS = {
+    "zeros": lambda x: x * 0.0,
+    "constant": lambda x: x * 0.0 + 3.0,
+    # A common offset far above the spread: a one-pass variance E[x^2] - mean^2 in float32 loses
+    # most of its digits to cancellation.
+    "offset": lambda x: x + 300.0,
+    "large": lambda x: x * 1e4,
+}
+
+
+@pytest.mark.parametrize("hidden", [256, 20000])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("pattern", list(EXTREME_ROWS))
+def test_extreme_rows(pattern, kind, hidden, seed):
+    case = LAYER.replace(kind=kind, lead=(4,), hidden=hidden)
+    inputs = make_norm_inputs(case, torch.float32, seed, device="cuda")
+    inputs["x"] = EXTREME_ROWS[pattern](inputs["x"])
+    fwd = run_forward(case, inputs)
+    cpu = to_cpu(inputs)
+    check_forward(case, cpu, libssm.NormForward(*(None if t is None else t.cpu() for t in fwd)))
+    dy, _ = make_norm_cotangents(case, torch.float32, seed, device="cuda")
+    grads = run_backward(case, inputs, fwd, dy, None)
+    check_backward(case, cpu["x"], cpu, dy.cpu(), None,
+                   libssm.NormGrads(*(None if g is None else g.cpu() for g in grads)))
+
+
+def test_offsets_past_int32():
+    """rows * hidden > 2^31, so element offsets into x, y, residual_out, dy and dx leave int32
+    range. The last rows, whose offsets are the largest, are checked against the CPU path run
+    on those rows alone."""
+    rows, hidden = 32800, 65536
+    assert rows * hidden > 2**31
+    g = torch.Generator(device="cuda").manual_seed(7)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    x, residual, dy = r(rows, hidden), r(rows, hidden), r(rows, hidden)
+    weight = torch.randn(hidden, device="cuda", generator=g)
+    fwd = libssm.norm_fwd(x, weight, kind="rms", residual=residual, eps=1e-6)
+    grads = libssm.norm_bwd(fwd.residual_out, dy, None, fwd.rstd, weight, kind="rms", eps=1e-6,
+                            needs=(True, False, False, False, False))
+    last = slice(rows - 3, rows)
+    cpu = lambda t: t[last].cpu().contiguous()  # noqa: E731
+    want = libssm.norm_fwd(cpu(x), weight.cpu(), kind="rms", residual=cpu(residual), eps=1e-6)
+    want_dx = libssm.norm_bwd(want.residual_out, cpu(dy), None, want.rstd, weight.cpu(),
+                              kind="rms", eps=1e-6, needs=(True, False, False, False, False)).dx
+
+    def rel(got, ref):
+        got, ref = got.cpu().double(), ref.double()
+        return ((got - ref).norm() / ref.norm()).item()
+
+    assert torch.equal(fwd.residual_out[last].cpu(), want.residual_out)
+    assert rel(fwd.y[last], want.y) < 1e-2
+    assert rel(fwd.rstd[last], want.rstd) < 1e-5
+    assert rel(grads.dx[last], want_dx) < 1e-2
