@@ -14,7 +14,7 @@ namespace {
 
 constexpr size_t kAlign = 256;
 // The backward keeps xhat, dy * w and the dweight/dbias sums of each slice: 4 floats an element,
-// so at most 2 slices a thread fit under the 128 registers a 512-thread block allows.
+// so 2 slices a thread fit under the 128 registers a 512-thread block allows.
 constexpr int kBwdMaxSlices = 2;
 constexpr int kColumnThreads = 256;
 
@@ -24,10 +24,12 @@ int pow2_at_least(int64_t n) {
   return p;
 }
 
-// Slices a thread keeps in registers. Short segments keep one slice and spread over more threads
-// (latency hidden by many segments a block); long ones keep more so a segment needs at most 512.
+// Slices a thread keeps in registers. The forward keeps one slice while 128 threads cover the
+// segment, then 2 up to 512 (more threads a segment beat more slices a thread there, 8192 columns
+// ran at 58% of copy with 512 threads x 2 slices, 68% with 256 x 4). The backward always keeps
+// kBwdMaxSlices: with one slice its 101 registers left too few loads in flight (27% of copy at
+// 1024 columns, against 60% at 4096 with two).
 int fwd_slices(int nslices) { return nslices <= 128 ? 1 : nslices <= 512 ? 2 : 4; }
-int bwd_slices(int nslices) { return nslices <= 256 ? 1 : kBwdMaxSlices; }
 
 NormPlan shape_plan(const NormArgs& a, int K) {
   NormPlan p;
@@ -43,6 +45,39 @@ bool aligned(const TensorRef& t, bool rows) {
   return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && (!rows || t.stride[0] * bytes % 16 == 0);
 }
 
+// The one dtype every row-shaped operand has (as an int for the kDt template argument), or -1
+// when they differ and only the generic kernels apply.
+int common_row_dtype(const NormArgs& a) {
+  int dt = -1;
+  for (const TensorRef* t : {&a.x, &a.residual, &a.z, &a.y, &a.residual_out, &a.dy,
+                             &a.dresidual_out, &a.dx, &a.dresidual, &a.dz}) {
+    if (!t->present()) continue;
+    if (dt >= 0 && dt != int(t->dtype)) return -1;
+    dt = int(t->dtype);
+  }
+  return dt;
+}
+
+template <int K, bool kTail>
+cudaError_t fwd_by_dtype(int dt, const NormArgs& a, const NormPlan& p, cudaStream_t s) {
+  switch (dt) {
+    case int(Dtype::F32): return launch_norm_fwd<K, int(Dtype::F32), kTail>(a, p, s);
+    case int(Dtype::F16): return launch_norm_fwd<K, int(Dtype::F16), kTail>(a, p, s);
+    case int(Dtype::BF16): return launch_norm_fwd<K, int(Dtype::BF16), kTail>(a, p, s);
+    default: return launch_norm_fwd<K, -1, kTail>(a, p, s);
+  }
+}
+
+template <int K, bool kTail>
+cudaError_t bwd_by_dtype(int dt, const NormArgs& a, const NormPlan& p, cudaStream_t s) {
+  switch (dt) {
+    case int(Dtype::F32): return launch_norm_bwd<K, int(Dtype::F32), kTail>(a, p, s);
+    case int(Dtype::F16): return launch_norm_bwd<K, int(Dtype::F16), kTail>(a, p, s);
+    case int(Dtype::BF16): return launch_norm_bwd<K, int(Dtype::BF16), kTail>(a, p, s);
+    default: return launch_norm_bwd<K, -1, kTail>(a, p, s);
+  }
+}
+
 bool can_vectorize(const NormArgs& a) {
   if (a.group_size % kSlice != 0) return false;
   for (const TensorRef* t : {&a.x, &a.residual, &a.z, &a.y, &a.residual_out, &a.dy,
@@ -56,7 +91,6 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // The backward's plan and its workspace: per-row-block partial sums of dweight and dbias, made
 // by the row kernel (fused) or by the column kernel when a segment outgrows the registers.
 struct BwdSetup {
-  int K = 1;
   NormPlan plan;
   bool fused = true;
   int64_t partial_rows = 1;  // row blocks of partial sums
@@ -64,16 +98,16 @@ struct BwdSetup {
 
   BwdSetup(const NormArgs& a, int device) {
     const int nslices = int((a.group_size + kSlice - 1) / kSlice);
-    K = bwd_slices(nslices);
-    plan = shape_plan(a, K);
-    fused = nslices <= K * plan.threads;
+    plan = shape_plan(a, kBwdMaxSlices);
+    fused = nslices <= kBwdMaxSlices * plan.threads;
     const int64_t sms = std::max(1, multiprocessor_count(device));
     const int64_t slots = plan.block / plan.threads;
     const int64_t row_blocks_needed = std::max<int64_t>(1, ceil_div(a.rows, slots));
     if (fused) {
       // Persistent: as many blocks as fit at once, each summing its rows' dweight in registers.
-      const int per_sm = K == 1 ? norm_bwd_blocks_per_sm<1>(plan.block)
-                                : norm_bwd_blocks_per_sm<kBwdMaxSlices>(plan.block);
+      // Sized by the generic kernel whatever the dtypes: the size query, which sees only x and
+      // weight, must arrive at the same workspace as the call.
+      const int per_sm = norm_bwd_blocks_per_sm<kBwdMaxSlices, -1, false>(plan.block);
       plan.row_blocks = std::clamp<int64_t>(ceil_div(per_sm * sms, a.ngroups), 1,
                                             row_blocks_needed);
       partial_rows = plan.row_blocks;
@@ -109,7 +143,7 @@ __global__ void __launch_bounds__(kColumnThreads) norm_column_sums_kernel(const 
     s.row = r;
     const float mean = a.layer_norm ? load_stat(a.mean, r, group) : 0.f;
     Slice xhat[1], dye[1], wdy[1];
-    backward_terms(a, s, mean, load_stat(a.rstd, r, group), xhat, dye, wdy);
+    backward_terms<-1>(a, s, mean, load_stat(a.rstd, r, group), xhat, dye, wdy);
 #pragma unroll
     for (int e = 0; e < kSlice; ++e) {
       dw[e] += dye[0][e] * xhat[0][e];
@@ -170,9 +204,12 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   NormPlan p = shape_plan(a, K);
   p.vec = can_vectorize(a);
   p.row_blocks = std::min<int64_t>(ceil_div(a.rows, p.block / p.threads), INT_MAX / a.ngroups);
-  const cudaError_t err = K == 1   ? launch_norm_fwd<1>(a, p, s)
-                          : K == 2 ? launch_norm_fwd<2>(a, p, s)
-                                   : launch_norm_fwd<4>(a, p, s);
+  const int dt = common_row_dtype(a);
+  const bool tail = p.nslices > K * p.threads;
+  const cudaError_t err = K == 1   ? fwd_by_dtype<1, false>(dt, a, p, s)
+                          : K == 2 ? fwd_by_dtype<2, false>(dt, a, p, s)
+                          : tail   ? fwd_by_dtype<4, true>(dt, a, p, s)
+                                   : fwd_by_dtype<4, false>(dt, a, p, s);
   return cuda_status(err, "norm_fwd launch");
 }
 
@@ -190,7 +227,8 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   cudaError_t err = cudaSuccess;
   // The row kernel also runs with no rows when it is the one writing the (zero) partial sums.
   if (a.rows > 0 || p.partial != nullptr)
-    err = setup.K == 1 ? launch_norm_bwd<1>(a, p, s) : launch_norm_bwd<kBwdMaxSlices>(a, p, s);
+    err = setup.fused ? bwd_by_dtype<kBwdMaxSlices, false>(common_row_dtype(a), a, p, s)
+                      : bwd_by_dtype<kBwdMaxSlices, true>(common_row_dtype(a), a, p, s);
   if (err == cudaSuccess && sums && !setup.fused) {
     const dim3 grid(unsigned(ceil_div(a.ngroups * p.nslices, kColumnThreads)),
                     unsigned(setup.partial_rows));

@@ -69,12 +69,22 @@ struct Slices {
 
 using Slice = float[kSlice];
 
-template <int N>
-__device__ __forceinline__ void load_rows(const TensorRef& t, const Slices<N>& s, Slice (&v)[N]) {
+// The dtype of a row-shaped operand: fixed at compile time in the kernels specialised for calls
+// whose row-shaped operands all share one dtype (kDt >= 0), so loads and conversions compile to
+// straight-line code; read from the tensor in the generic kernels (kDt < 0).
+template <int kDt>
+__device__ __forceinline__ Dtype row_dtype(const TensorRef& t) {
+  return kDt < 0 ? t.dtype : Dtype(kDt);
+}
+
+template <int kDt, int N>
+__device__ __forceinline__ void fetch_rows(const TensorRef& t, const Slices<N>& s,
+                                           Slice (&v)[N]) {
 #pragma unroll
   for (int k = 0; k < N; ++k) {
     if (s.n[k] > 0) {
-      load_slice(t.data, t.dtype, s.row * t.stride[0] + s.col[k], s.n[k], s.vec, v[k]);
+      fetch_slice(t.data, row_dtype<kDt>(t), s.row * t.stride[0] + s.col[k], s.n[k], s.vec,
+                  v[k]);
     } else {
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) v[k][e] = 0.f;
@@ -82,12 +92,26 @@ __device__ __forceinline__ void load_rows(const TensorRef& t, const Slices<N>& s
   }
 }
 
-template <int N>
+template <int kDt, int N>
+__device__ __forceinline__ void widen_rows(const TensorRef& t, const Slices<N>& s,
+                                           Slice (&v)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) widen_slice(row_dtype<kDt>(t), s.vec, v[k]);
+}
+
+template <int kDt, int N>
+__device__ __forceinline__ void load_rows(const TensorRef& t, const Slices<N>& s, Slice (&v)[N]) {
+  fetch_rows<kDt>(t, s, v);
+  widen_rows<kDt>(t, s, v);
+}
+
+template <int kDt, int N>
 __device__ __forceinline__ void store_rows(const TensorRef& t, const Slices<N>& s,
                                            const Slice (&v)[N]) {
 #pragma unroll
   for (int k = 0; k < N; ++k)
-    if (s.n[k] > 0) store_slice(t.data, t.dtype, s.row * t.stride[0] + s.col[k], s.n[k], s.vec, v[k]);
+    if (s.n[k] > 0)
+      store_slice(t.data, row_dtype<kDt>(t), s.row * t.stride[0] + s.col[k], s.n[k], s.vec, v[k]);
 }
 
 // A (hidden,) operand at the slices' columns (weight or bias).
@@ -96,12 +120,14 @@ __device__ __forceinline__ void load_cols(const TensorRef& t, const Slices<N>& s
 #pragma unroll
   for (int k = 0; k < N; ++k) {
     if (s.n[k] > 0) {
-      load_slice(t.data, t.dtype, s.col[k], s.n[k], s.vec, v[k]);
+      fetch_slice(t.data, t.dtype, s.col[k], s.n[k], s.vec, v[k]);
     } else {
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) v[k][e] = 0.f;
     }
   }
+#pragma unroll
+  for (int k = 0; k < N; ++k) widen_slice(t.dtype, s.vec, v[k]);
 }
 
 // w[j]: weight (+1 when zero-centred), or 1 without a weight.
@@ -133,20 +159,27 @@ __device__ __forceinline__ float silu_grad(float z) {
 
 // The normalised input g (formula in libssm/norm.h) into g; t is scratch. The forward's first
 // visit passes write_residual so residual_out gets s exactly once.
-template <int N>
+template <int kDt, int N>
 __device__ __forceinline__ void load_g(const NormArgs& a, const Slices<N>& s,
                                        bool write_residual, Slice (&g)[N], Slice (&t)[N]) {
-  load_rows(a.x, s, g);
+  const bool gate = a.z.present() && !a.norm_before_gate;
+  fetch_rows<kDt>(a.x, s, g);
+  if (a.residual.present()) fetch_rows<kDt>(a.residual, s, t);
+  else if (gate) fetch_rows<kDt>(a.z, s, t);
+  widen_rows<kDt>(a.x, s, g);
   if (a.residual.present()) {
-    load_rows(a.residual, s, t);
+    widen_rows<kDt>(a.residual, s, t);
 #pragma unroll
     for (int k = 0; k < N; ++k)
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) g[k][e] += t[k][e];
+    if (write_residual && a.residual_out.present()) store_rows<kDt>(a.residual_out, s, g);
+    if (gate) fetch_rows<kDt>(a.z, s, t);
+  } else if (write_residual && a.residual_out.present()) {
+    store_rows<kDt>(a.residual_out, s, g);
   }
-  if (write_residual && a.residual_out.present()) store_rows(a.residual_out, s, g);
-  if (a.z.present() && !a.norm_before_gate) {
-    load_rows(a.z, s, t);
+  if (gate) {
+    widen_rows<kDt>(a.z, s, t);
 #pragma unroll
     for (int k = 0; k < N; ++k)
 #pragma unroll
@@ -155,7 +188,7 @@ __device__ __forceinline__ void load_g(const NormArgs& a, const Slices<N>& s,
 }
 
 // y from g, given the segment's mean and rstd; g and t are overwritten.
-template <int N>
+template <int kDt, int N>
 __device__ __forceinline__ void store_y(const NormArgs& a, const Slices<N>& s, float mean,
                                         float rstd, Slice (&g)[N], Slice (&t)[N]) {
   load_scale(a, s, t);
@@ -171,13 +204,13 @@ __device__ __forceinline__ void store_y(const NormArgs& a, const Slices<N>& s, f
       for (int e = 0; e < kSlice; ++e) g[k][e] += t[k][e];
   }
   if (a.z.present() && a.norm_before_gate) {
-    load_rows(a.z, s, t);
+    load_rows<kDt>(a.z, s, t);
 #pragma unroll
     for (int k = 0; k < N; ++k)
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) g[k][e] *= silu(t[k][e]);
   }
-  store_rows(a.y, s, g);
+  store_rows<kDt>(a.y, s, g);
 }
 
 __device__ __forceinline__ void store_stat(const TensorRef& t, int64_t r, int64_t group,
@@ -191,14 +224,17 @@ __device__ __forceinline__ float load_stat(const TensorRef& t, int64_t r, int64_
 
 // The backward's per-element terms from the forward's inputs and statistics:
 // xhat = (g - mean) * rstd, dye = the gradient reaching the affine output o, wdy = dye * w.
-template <int N>
+template <int kDt, int N>
 __device__ __forceinline__ void backward_terms(const NormArgs& a, const Slices<N>& s, float mean,
                                                float rstd, Slice (&xhat)[N], Slice (&dye)[N],
                                                Slice (&wdy)[N]) {
-  load_rows(a.x, s, xhat);
-  load_rows(a.dy, s, dye);
+  fetch_rows<kDt>(a.x, s, xhat);
+  fetch_rows<kDt>(a.dy, s, dye);
+  if (a.z.present()) fetch_rows<kDt>(a.z, s, wdy);
+  widen_rows<kDt>(a.x, s, xhat);
+  widen_rows<kDt>(a.dy, s, dye);
   if (a.z.present()) {
-    load_rows(a.z, s, wdy);
+    widen_rows<kDt>(a.z, s, wdy);
 #pragma unroll
     for (int k = 0; k < N; ++k)
 #pragma unroll
@@ -221,10 +257,13 @@ __device__ __forceinline__ void backward_terms(const NormArgs& a, const Slices<N
 // The row-shaped gradients: dg from the terms and the segment constants c1 = mean(wdy * xhat),
 // c2 = mean(wdy) (0 for RMSNorm), then through the gate and the residual stream. xhat and wdy
 // are overwritten; t and u are scratch.
-template <int N>
+template <int kDt, int N>
 __device__ __forceinline__ void store_grads(const NormArgs& a, const Slices<N>& s, float rstd,
                                             float c1, float c2, Slice (&xhat)[N],
                                             Slice (&wdy)[N], Slice (&t)[N]) {
+  // Without a gate t is free from the start: fetch dresidual_out before the arithmetic.
+  const bool early = a.dresidual_out.present() && !a.z.present();
+  if (early) fetch_rows<kDt>(a.dresidual_out, s, t);
   // ds (in wdy) = rstd * (wdy - xhat * c1 - c2)
 #pragma unroll
   for (int k = 0; k < N; ++k)
@@ -245,20 +284,20 @@ __device__ __forceinline__ void store_grads(const NormArgs& a, const Slices<N>& 
 #pragma unroll
           for (int e = 0; e < kSlice; ++e) xhat[k][e] += t[k][e];
       }
-      load_rows(a.dy, s, t);
+      load_rows<kDt>(a.dy, s, t);
 #pragma unroll
       for (int k = 0; k < N; ++k)
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) xhat[k][e] *= t[k][e];
-      load_rows(a.z, s, t);
+      load_rows<kDt>(a.z, s, t);
 #pragma unroll
       for (int k = 0; k < N; ++k)
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) xhat[k][e] *= silu_grad(t[k][e]);
     } else {
       // g = s * silu(z): ds = dg * silu(z), dz = dg * s * silu'(z).
-      load_rows(a.x, s, xhat);
-      load_rows(a.z, s, t);
+      load_rows<kDt>(a.x, s, xhat);
+      load_rows<kDt>(a.z, s, t);
 #pragma unroll
       for (int k = 0; k < N; ++k)
 #pragma unroll
@@ -269,15 +308,16 @@ __device__ __forceinline__ void store_grads(const NormArgs& a, const Slices<N>& 
     }
   }
   if (a.dresidual_out.present()) {
-    load_rows(a.dresidual_out, s, t);
+    if (early) widen_rows<kDt>(a.dresidual_out, s, t);
+    else load_rows<kDt>(a.dresidual_out, s, t);
 #pragma unroll
     for (int k = 0; k < N; ++k)
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) wdy[k][e] += t[k][e];
   }
-  if (a.z.present() && a.dz.present()) store_rows(a.dz, s, xhat);
-  if (a.dx.present()) store_rows(a.dx, s, wdy);
-  if (a.dresidual.present()) store_rows(a.dresidual, s, wdy);
+  if (a.z.present() && a.dz.present()) store_rows<kDt>(a.dz, s, xhat);
+  if (a.dx.present()) store_rows<kDt>(a.dx, s, wdy);
+  if (a.dresidual.present()) store_rows<kDt>(a.dresidual, s, wdy);
 }
 
 }  // namespace norm_detail

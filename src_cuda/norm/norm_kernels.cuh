@@ -1,5 +1,5 @@
 // The fused-norm row kernels and their launchers; included only by the instantiation files
-// (instantiations/*.cu), one K per file. The segment layout is described in norm_plan.h.
+// (instantiations/*.cu), one (K, kDt, kTail) per file. The segment layout is described in norm_plan.h.
 #pragma once
 
 #include "norm_device.cuh"
@@ -64,7 +64,7 @@ __device__ __forceinline__ float deviation_of(const Slice (&g)[N], const Slices<
 
 }  // namespace norm_detail
 
-template <int K>
+template <int K, int kDt, bool kTail>
 __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_kernel(const NormArgs a,
                                                                    const NormPlan p) {
   using namespace norm_detail;
@@ -80,11 +80,11 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_kernel(const NormArg
     const bool row_ok = r < a.rows;
     const Slices<K> s = kept_slices<K>(a, p, at, r, row_ok);
     Slice g[K], t[K];
-    load_g(a, s, true, g, t);
+    load_g<kDt>(a, s, true, g, t);
     float acc[1] = {sum_of(g, rms)};
-    for (int v = at.lane + K * T; row_ok && v < p.nslices; v += T) {
+    for (int v = at.lane + K * T; kTail && row_ok && v < p.nslices; v += T) {
       Slice g1[1], t1[1];
-      load_g(a, one_slice(a, at, p.vec, r, v), true, g1, t1);
+      load_g<kDt>(a, one_slice(a, at, p.vec, r, v), true, g1, t1);
       acc[0] += sum_of(g1, rms);
     }
     segment_sum(acc, T, red);
@@ -94,10 +94,10 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_kernel(const NormArg
       // Second pass about the mean: no cancellation, unlike E[g^2] - E[g]^2.
       mean = var;
       float dev[1] = {deviation_of(g, s, mean)};
-      for (int v = at.lane + K * T; row_ok && v < p.nslices; v += T) {
+      for (int v = at.lane + K * T; kTail && row_ok && v < p.nslices; v += T) {
         const Slices<1> s1 = one_slice(a, at, p.vec, r, v);
         Slice g1[1], t1[1];
-        load_g(a, s1, false, g1, t1);
+        load_g<kDt>(a, s1, false, g1, t1);
         dev[0] += deviation_of(g1, s1, mean);
       }
       segment_sum(dev, T, red);
@@ -108,12 +108,12 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_kernel(const NormArg
       if (a.mean.present()) store_stat(a.mean, r, at.group, mean);
       if (a.rstd.present()) store_stat(a.rstd, r, at.group, rstd);
     }
-    store_y(a, s, mean, rstd, g, t);
-    for (int v = at.lane + K * T; row_ok && v < p.nslices; v += T) {
+    store_y<kDt>(a, s, mean, rstd, g, t);
+    for (int v = at.lane + K * T; kTail && row_ok && v < p.nslices; v += T) {
       const Slices<1> s1 = one_slice(a, at, p.vec, r, v);
       Slice g1[1], t1[1];
-      load_g(a, s1, false, g1, t1);
-      store_y(a, s1, mean, rstd, g1, t1);
+      load_g<kDt>(a, s1, false, g1, t1);
+      store_y<kDt>(a, s1, mean, rstd, g1, t1);
     }
   }
 }
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_kernel(const NormArg
 // visits for its kept slices (the plan only sets it when the segment fits in them); the block
 // then adds its slots together in slot order and writes one partial row per row block, which
 // norm_cuda.cu reduces over row blocks in a fixed order.
-template <int K>
+template <int K, int kDt, bool kTail>
 __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_kernel(const NormArgs a,
                                                                    const NormPlan p) {
   using namespace norm_detail;
@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_kernel(const NormArg
     const float rstd = row_ok ? load_stat(a.rstd, r, at.group) : 0.f;
     const Slices<K> s = kept_slices<K>(a, p, at, r, row_ok);
     Slice xhat[K], wdy[K], t[K];
-    backward_terms(a, s, mean, rstd, xhat, t, wdy);
+    backward_terms<kDt>(a, s, mean, rstd, xhat, t, wdy);
     float acc[2] = {0.f, 0.f};
 #pragma unroll
     for (int k = 0; k < K; ++k)
@@ -150,9 +150,9 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_kernel(const NormArg
         dw[k][e] += t[k][e] * xhat[k][e];
         db[k][e] += t[k][e];
       }
-    for (int v = at.lane + K * T; row_ok && v < p.nslices; v += T) {
+    for (int v = at.lane + K * T; kTail && row_ok && v < p.nslices; v += T) {
       Slice x1[1], d1[1], w1[1];
-      backward_terms(a, one_slice(a, at, p.vec, r, v), mean, rstd, x1, d1, w1);
+      backward_terms<kDt>(a, one_slice(a, at, p.vec, r, v), mean, rstd, x1, d1, w1);
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
         acc[0] += w1[0][e] * x1[0][e];
@@ -162,12 +162,12 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_kernel(const NormArg
     segment_sum(acc, T, red);
     const float c1 = acc[0] * inv_len;
     const float c2 = a.layer_norm ? acc[1] * inv_len : 0.f;
-    store_grads(a, s, rstd, c1, c2, xhat, wdy, t);
-    for (int v = at.lane + K * T; row_ok && v < p.nslices; v += T) {
+    store_grads<kDt>(a, s, rstd, c1, c2, xhat, wdy, t);
+    for (int v = at.lane + K * T; kTail && row_ok && v < p.nslices; v += T) {
       const Slices<1> s1 = one_slice(a, at, p.vec, r, v);
       Slice x1[1], d1[1], w1[1];
-      backward_terms(a, s1, mean, rstd, x1, d1, w1);
-      store_grads(a, s1, rstd, c1, c2, x1, w1, d1);
+      backward_terms<kDt>(a, s1, mean, rstd, x1, d1, w1);
+      store_grads<kDt>(a, s1, rstd, c1, c2, x1, w1, d1);
     }
   }
   if (p.partial == nullptr) return;
@@ -202,22 +202,23 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_kernel(const NormArg
   }
 }
 
-template <int K>
+template <int K, int kDt, bool kTail>
 cudaError_t launch_norm_fwd(const NormArgs& a, const NormPlan& p, cudaStream_t stream) {
-  norm_fwd_kernel<K><<<unsigned(p.row_blocks * a.ngroups), p.block, 0, stream>>>(a, p);
+  norm_fwd_kernel<K, kDt, kTail><<<unsigned(p.row_blocks * a.ngroups), p.block, 0, stream>>>(a, p);
   return cudaGetLastError();
 }
 
-template <int K>
+template <int K, int kDt, bool kTail>
 cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t stream) {
-  norm_bwd_kernel<K><<<unsigned(p.row_blocks * a.ngroups), p.block, 0, stream>>>(a, p);
+  norm_bwd_kernel<K, kDt, kTail><<<unsigned(p.row_blocks * a.ngroups), p.block, 0, stream>>>(a, p);
   return cudaGetLastError();
 }
 
-template <int K>
+template <int K, int kDt, bool kTail>
 int norm_bwd_blocks_per_sm(int block) {
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, norm_bwd_kernel<K>, block, 0) !=
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, norm_bwd_kernel<K, kDt, kTail>, block,
+                                                    0) !=
       cudaSuccess) {
     cudaGetLastError();  // or the next launch would report this failure as its own
     return 1;

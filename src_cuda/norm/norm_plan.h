@@ -30,14 +30,19 @@ struct NormPlan {
                               // or nullptr when neither is wanted or the column kernel sums them
 };
 
-// Launchers, one explicit instantiation per file under instantiations/.
-template <int K>
+// Launchers, one explicit instantiation per file under instantiations/ (written by
+// generate_instantiations.py). K: slices a thread keeps in registers; kDt: the Dtype every
+// row-shaped operand has, or -1 for the generic kernels that read each operand's dtype at run
+// time (mixed dtypes, such as a float32 residual stream beside bfloat16 x); kTail: whether
+// segments may be longer than the kept slices (the loops over the rest hold ~35 more registers
+// while the kept slices are live, so the kernels for shorter segments leave them out).
+template <int K, int kDt, bool kTail>
 cudaError_t launch_norm_fwd(const NormArgs& a, const NormPlan& p, cudaStream_t stream);
-template <int K>
+template <int K, int kDt, bool kTail>
 cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t stream);
 
 // How many blocks of `block` threads of the backward kernel fit on one SM.
-template <int K>
+template <int K, int kDt, bool kTail>
 int norm_bwd_blocks_per_sm(int block);
 
 }  // namespace ssm

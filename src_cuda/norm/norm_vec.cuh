@@ -15,37 +15,49 @@ namespace ssm {
 
 constexpr int kSlice = 8;
 
-// Element `i` onward of `p` into v[0..7]; with `vec` false only the first `n` are read and the
-// rest are 0. `vec` promises 16-byte alignment and a whole slice.
-__device__ __forceinline__ void load_slice(const void* p, Dtype d, int64_t i, int n, bool vec,
-                                           float (&v)[kSlice]) {
+// Element `i` onward of `p` into v[0..7] in two steps, fetch_slice then widen_slice, so a caller
+// can issue the fetches of several slices before waiting on any: the conversion reads the loaded
+// registers, and a conversion right after each load would hold every later load back until the
+// data arrives. With `vec` false only the first `n` are read and the rest are 0. `vec` promises
+// 16-byte alignment and a whole slice.
+//
+// fetch_slice leaves float32 values in place, and 16-bit ones packed two to a register in
+// v[0..3]; widen_slice unpacks those from the back, so no second buffer is needed.
+__device__ __forceinline__ void fetch_slice(const void* p, Dtype d, int64_t i, int n, bool vec,
+                                            float (&v)[kSlice]) {
   if (vec) {
     if (d == Dtype::F32) {
       const float4* q = reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
       const float4 a = q[0], b = q[1];
       v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
       v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-      return;
-    }
-    const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p) + i);
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (d == Dtype::BF16) {
-        v[2 * k] = __uint_as_float(w[k] << 16);
-        v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-      } else {
-        __half2 h;
-        memcpy(&h, &w[k], sizeof h);
-        const float2 f = __half22float2(h);
-        v[2 * k] = f.x;
-        v[2 * k + 1] = f.y;
-      }
+    } else {
+      const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p) + i);
+      v[0] = __uint_as_float(raw.x), v[1] = __uint_as_float(raw.y);
+      v[2] = __uint_as_float(raw.z), v[3] = __uint_as_float(raw.w);
     }
     return;
   }
 #pragma unroll
   for (int k = 0; k < kSlice; ++k) v[k] = k < n ? load_as_float(p, i + k, d) : 0.f;
+}
+
+__device__ __forceinline__ void widen_slice(Dtype d, bool vec, float (&v)[kSlice]) {
+  if (!vec || d == Dtype::F32) return;
+#pragma unroll
+  for (int k = 3; k >= 0; --k) {
+    const uint32_t w = __float_as_uint(v[k]);
+    if (d == Dtype::BF16) {
+      v[2 * k + 1] = __uint_as_float(w & 0xffff0000u);
+      v[2 * k] = __uint_as_float(w << 16);
+    } else {
+      __half2 h;
+      memcpy(&h, &w, sizeof h);
+      const float2 f = __half22float2(h);
+      v[2 * k + 1] = f.y;
+      v[2 * k] = f.x;
+    }
+  }
 }
 
 // v[0..7] (or the first `n` without `vec`) rounded to `d` and stored from element `i` onward.

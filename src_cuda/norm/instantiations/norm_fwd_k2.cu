@@ -1,6 +1,0 @@
-// The fused-norm forward keeping 2 slice(s) of 8 columns a thread in registers.
-#include "../norm_kernels.cuh"
-
-namespace ssm {
-template cudaError_t launch_norm_fwd<2>(const NormArgs&, const NormPlan&, cudaStream_t);
-}  // namespace ssm
