@@ -117,3 +117,18 @@ def check_error(excinfo, exc, argument, fragments):
     assert message.startswith(argument + ":"), message
     for fragment in fragments:
         assert fragment in message, (fragment, message)
+
+
+def capture_cuda_graph(step, warmup=2):
+    """(graph, what `step` returned while captured): `step` run `warmup` times on a side stream
+    first, as capture requires of code that allocates or initialises lazily."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import libssm
-from harness import DTYPE_IDS, DTYPES, poisoned_like
+from harness import DTYPE_IDS, DTYPES, capture_cuda_graph, poisoned_like
 from norm_harness import (BASE, GATED, LAYER, ROWS, NormCApi, backward_input, c_forward_backward,
                           case_id, check_agree, check_backward, check_forward, only_view_written,
                           reference_backward, reference_forward, row_strided, run_backward,
@@ -323,14 +323,7 @@ def test_cuda_graph_capture_python_api(seed):
     static = {k: None if v is None else v.clone()
               for k, v in make_norm_inputs(case, torch.float16, seed, device="cuda").items()}
     out = poisoned_like(static["x"])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run_forward(case, static, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fwd = run_forward(case, static, out=out)
+    graph, fwd = capture_cuda_graph(lambda: run_forward(case, static, out=out), warmup=1)
     for i in range(2):
         inputs = make_norm_inputs(case, torch.float16, seed + 1 + i, device="cuda")
         _overwrite(static, inputs)

@@ -8,7 +8,7 @@ import torch
 
 import libssm
 import libssm.torch as ssm_torch
-from harness import DTYPE_IDS, DTYPES
+from harness import DTYPE_IDS, DTYPES, capture_cuda_graph
 from norm_harness import BASE, GATED, LAYER, case_id, reference_backward, reference_forward, to_cpu
 from references import (NORM_INPUT_NAMES, assert_close, make_norm_cotangents, make_norm_inputs,
                         norm_numpy)
@@ -437,15 +437,7 @@ def test_cuda_graph_capture_and_replay(seed):
         grads = torch.autograd.grad([y, residual_out], [static[n] for n in names], [dy, dres])
         return y, residual_out, grads
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y, static_res, static_grads = step()
+    graph, (static_y, static_res, static_grads) = capture_cuda_graph(step)
 
     for inputs in (second, first):
         with torch.no_grad():

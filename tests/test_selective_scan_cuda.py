@@ -9,7 +9,7 @@ import torch
 
 import libssm
 from references import INPUT_NAMES, make_cotangents, make_inputs
-from harness import DTYPE_IDS, DTYPES, poisoned_like
+from harness import DTYPE_IDS, DTYPES, capture_cuda_graph, poisoned_like
 from scan_harness import (FULL, ROWS, CApi, case_id, check_agree, check_backward, check_forward,
                           extreme_delta_and_z, mamba_layout, poisoned_grads, run_backward,
                           run_forward, strided_views, transposed_poison)
@@ -255,14 +255,8 @@ def test_cuda_graph_capture_python_api(seed):
     first = make_inputs(case, torch.float16, seed, device="cuda")
     static = {k: v.clone() for k, v in first.items()}
     out = poisoned_like(static["u"])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run_forward(case, static, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _, static_last = run_forward(case, static, out=out)
+    graph, (_, static_last) = capture_cuda_graph(lambda: run_forward(case, static, out=out),
+                                                 warmup=1)
     for i in range(2):
         inputs = make_inputs(case, torch.float16, seed + 1 + i, device="cuda")
         for n in INPUT_NAMES:

@@ -9,7 +9,7 @@ import libssm
 import libssm.torch as ssm_torch
 from references import (INPUT_NAMES, assert_close, make_cotangents, make_inputs,
                         reference_outputs)
-from harness import DTYPE_IDS, DTYPES
+from harness import DTYPE_IDS, DTYPES, capture_cuda_graph
 from scan_harness import FULL, case_id, check_backward, check_forward
 
 GRAD_ROWS = [FULL, FULL.replace(B_form="group", C_form="group", groups=3),
@@ -299,15 +299,7 @@ def test_cuda_graph_capture_and_replay(seed):
                                     [dout, dlast])
         return out, last_state, grads
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_last, static_grads = step()
+    graph, (static_out, static_last, static_grads) = capture_cuda_graph(step)
 
     for inputs in (second, first):
         with torch.no_grad():

@@ -5,6 +5,8 @@ library it checks."""
 
 import numpy as np
 
+from ._reference import central_differences
+
 INPUT_NAMES = ("x", "residual", "weight", "bias", "z")
 
 
@@ -46,23 +48,4 @@ def gradients(inputs, opts, dy, dresidual_out, eps=1e-6):
         y, s, _, _ = forward(values, opts)
         return (y * dy).sum() + ((s * dro).sum() if dro is not None else 0.0)
 
-    values = {k: (None if v is None else np.array(v, dtype=np.float64))
-              for k, v in inputs.items()}
-    grads = {}
-    for name in INPUT_NAMES:
-        x = values.get(name)
-        if x is None:
-            grads[name] = None
-            continue
-        grad = np.empty_like(x)
-        flat, gflat = x.reshape(-1), grad.reshape(-1)
-        for i in range(flat.size):
-            keep = flat[i]
-            flat[i] = keep + eps
-            up = loss(values)
-            flat[i] = keep - eps
-            down = loss(values)
-            flat[i] = keep
-            gflat[i] = (up - down) / (2 * eps)
-        grads[name] = grad
-    return grads
+    return central_differences(loss, inputs, INPUT_NAMES, eps)

@@ -54,10 +54,16 @@ def gradients(inputs, delta_softplus, dout, dlast_state, eps=1e-6):
         total = (out * dout).sum()
         return total + ((last * dlast).sum() if dlast is not None else 0.0)
 
+    return central_differences(loss, inputs, INPUT_NAMES, eps)
+
+
+def central_differences(loss, inputs, names, eps):
+    """{name: dloss/dinputs[name]} for each of `names` (None where the input is None), by
+    central differences of `loss` over float64 copies of the inputs."""
     values = {k: (None if v is None else np.array(v, dtype=np.float64))
               for k, v in inputs.items()}
     grads = {}
-    for name in INPUT_NAMES:
+    for name in names:
         x = values.get(name)
         if x is None:
             grads[name] = None
