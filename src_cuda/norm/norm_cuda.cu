@@ -16,6 +16,7 @@ constexpr size_t kAlign = 256;
 // The backward keeps xhat, dy * w and the dweight/dbias sums of each slice: 4 floats an element,
 // so 2 slices a thread fit under the 128 registers a 512-thread block allows.
 constexpr int kBwdMaxSlices = 2;
+static_assert(kBwdMaxSlices == kFastBwdSlices, "the lean backward runs on the fused plan");
 constexpr int kColumnThreads = 256;
 
 int pow2_at_least(int64_t n) {
@@ -194,17 +195,44 @@ size_t norm_bwd_cuda_workspace(const NormArgs& a, int device) {
   return BwdSetup(a, device).workspace;
 }
 
+// The lean forward's slices a thread (norm_fast.cuh), or 0 when the call needs the general
+// kernel: a gate, groups, mixed dtypes, unaligned rows, or rows past 8192 16-bit columns (two
+// slices of 512 threads: beyond, the registers it keeps would spill).
+int fast_fwd_slices(const NormArgs& a, int nslices, int dt, bool vec) {
+  if (dt < 0 || !vec || a.z.present() || a.ngroups != 1) return 0;
+  return nslices <= 128 ? 1 : nslices <= 2 * kNormMaxThreads ? 2 : 0;
+}
+
+template <int K>
+cudaError_t fast_by_dtype(int dt, const NormArgs& a, NormPlan& p, int sms, cudaStream_t s) {
+  switch (dt) {
+    case int(Dtype::F32): return launch_norm_fwd_fast<K, int(Dtype::F32)>(a, p, sms, s);
+    case int(Dtype::F16): return launch_norm_fwd_fast<K, int(Dtype::F16)>(a, p, sms, s);
+    default: return launch_norm_fwd_fast<K, int(Dtype::BF16)>(a, p, sms, s);
+  }
+}
+
 ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   CudaDeviceGuard guard(device);
   if (guard.status() != SSM_SUCCESS) return guard.status();
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (a.rows == 0) return SSM_SUCCESS;
   const int nslices = int((a.group_size + kSlice - 1) / kSlice);
+  const int dt = common_row_dtype(a);
+  const int fast = fast_fwd_slices(a, nslices, dt, can_vectorize(a));
+  if (fast > 0) {
+    NormPlan p = shape_plan(a, fast);
+    p.block = std::max(p.threads, 256);
+    p.row_blocks = ceil_div(a.rows, p.block / p.threads);
+    const int sms = std::max(1, multiprocessor_count(device));
+    return cuda_status(fast == 1 ? fast_by_dtype<1>(dt, a, p, sms, s)
+                                 : fast_by_dtype<2>(dt, a, p, sms, s),
+                       "norm_fwd launch");
+  }
   const int K = fwd_slices(nslices);
   NormPlan p = shape_plan(a, K);
   p.vec = can_vectorize(a);
   p.row_blocks = std::min<int64_t>(ceil_div(a.rows, p.block / p.threads), INT_MAX / a.ngroups);
-  const int dt = common_row_dtype(a);
   const bool tail = p.nslices > K * p.threads;
   const cudaError_t err = K == 1   ? fwd_by_dtype<1, false>(dt, a, p, s)
                           : K == 2 ? fwd_by_dtype<2, false>(dt, a, p, s)
@@ -225,10 +253,17 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   if (setup.fused && sums) p.partial = partial;
 
   cudaError_t err = cudaSuccess;
+  const int dt = common_row_dtype(a);
   // The row kernel also runs with no rows when it is the one writing the (zero) partial sums.
-  if (a.rows > 0 || p.partial != nullptr)
-    err = setup.fused ? bwd_by_dtype<kBwdMaxSlices, false>(common_row_dtype(a), a, p, s)
-                      : bwd_by_dtype<kBwdMaxSlices, true>(common_row_dtype(a), a, p, s);
+  if (a.rows > 0 || p.partial != nullptr) {
+    if (setup.fused && dt >= 0 && p.vec && !a.z.present() && a.ngroups == 1)
+      err = dt == int(Dtype::F32)   ? launch_norm_bwd_fast<int(Dtype::F32)>(a, p, s)
+            : dt == int(Dtype::F16) ? launch_norm_bwd_fast<int(Dtype::F16)>(a, p, s)
+                                    : launch_norm_bwd_fast<int(Dtype::BF16)>(a, p, s);
+    else
+      err = setup.fused ? bwd_by_dtype<kBwdMaxSlices, false>(dt, a, p, s)
+                        : bwd_by_dtype<kBwdMaxSlices, true>(dt, a, p, s);
+  }
   if (err == cudaSuccess && sums && !setup.fused) {
     const dim3 grid(unsigned(ceil_div(a.ngroups * p.nslices, kColumnThreads)),
                     unsigned(setup.partial_rows));

@@ -17,9 +17,12 @@ namespace norm_detail {
 
 // Sums M values over the `threads` threads of each segment; every thread gets the totals, in
 // the same bits (butterfly shuffles, then warp partials added in warp order). `red` is shared
-// memory of (blockDim / 32) * M floats. Called by every thread of the block.
+// memory of (blockDim / 32) * M floats. Called by every thread of the block. `red_free` says no
+// thread may still be reading `red` from an earlier call (the caller alternates two buffers, so
+// the barrier of the call in between has seen to it); otherwise a barrier waits for them.
 template <int M>
-__device__ __forceinline__ void segment_sum(float (&v)[M], int threads, float* red) {
+__device__ __forceinline__ void segment_sum(float (&v)[M], int threads, float* red,
+                                            bool red_free = false) {
   const int width = threads < 32 ? threads : 32;
   for (int o = 1; o < width; o <<= 1) {
 #pragma unroll
@@ -27,7 +30,7 @@ __device__ __forceinline__ void segment_sum(float (&v)[M], int threads, float* r
   }
   if (threads <= 32) return;
   const int warp = threadIdx.x >> 5;
-  __syncthreads();  // the previous call's readers are done with `red`
+  if (!red_free) __syncthreads();
   if ((threadIdx.x & 31) == 0) {
 #pragma unroll
     for (int i = 0; i < M; ++i) red[warp * M + i] = v[i];
@@ -68,6 +71,43 @@ struct Slices {
 };
 
 using Slice = float[kSlice];
+
+// The backward's dweight and dbias sums of a block (each thread's, for slices lane + k * threads
+// of its segment) written as partial row `at.row_block` of p.partial: the block's slots are added
+// in slot order through shared memory (deterministic), one slice at a time. Called by every
+// thread of the block.
+template <int K>
+__device__ __forceinline__ void write_partial_sums(const NormArgs& a, const NormPlan& p,
+                                                  const Place& at, const Slice (&dw)[K],
+                                                  const Slice (&db)[K]) {
+  __shared__ float slot_sums[kNormMaxThreads * kSlice];
+  auto emit = [&](const float(&mine)[kSlice], float* out, int v) {
+    if (at.slots > 1) {
+      __syncthreads();  // the previous slice's readers are done
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) slot_sums[threadIdx.x * kSlice + e] = mine[e];
+      __syncthreads();
+    }
+    if (at.slot == 0 && v < p.nslices) {
+      const int64_t left = a.group_size - int64_t(v) * kSlice;
+      const int n = int(left < kSlice ? left : kSlice);
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) {
+        if (e >= n) break;
+        float s = mine[e];
+        for (int q = 1; q < at.slots; ++q) s += slot_sums[(q * p.threads + at.lane) * kSlice + e];
+        out[v * kSlice + e] = s;
+      }
+    }
+  };
+  float* const out_w = p.partial + at.row_block * a.hidden + at.col0;
+  float* const out_b = out_w + p.row_blocks * a.hidden;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    emit(dw[k], out_w, at.lane + k * p.threads);
+    emit(db[k], out_b, at.lane + k * p.threads);
+  }
+}
 
 // The dtype of a row-shaped operand: fixed at compile time in the kernels specialised for calls
 // whose row-shaped operands all share one dtype (kDt >= 0), so loads and conversions compile to

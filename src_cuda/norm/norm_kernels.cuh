@@ -172,36 +172,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_kernel(const NormArg
       store_grads<kDt>(a, s1, rstd, c1, c2, x1, w1, d1);
     }
   }
-  if (p.partial == nullptr) return;
-
-  // Slot totals, added in slot order through shared memory (deterministic), one slice at a time.
-  __shared__ float slot_sums[kNormMaxThreads * kSlice];
-  auto emit = [&](const float(&mine)[kSlice], float* out, int v) {
-    if (at.slots > 1) {
-      __syncthreads();  // the previous slice's readers are done
-#pragma unroll
-      for (int e = 0; e < kSlice; ++e) slot_sums[threadIdx.x * kSlice + e] = mine[e];
-      __syncthreads();
-    }
-    if (at.slot == 0 && v < p.nslices) {
-      const int64_t left = a.group_size - int64_t(v) * kSlice;
-      const int n = int(left < kSlice ? left : kSlice);
-#pragma unroll
-      for (int e = 0; e < kSlice; ++e) {
-        if (e >= n) break;
-        float s = mine[e];
-        for (int q = 1; q < at.slots; ++q) s += slot_sums[(q * T + at.lane) * kSlice + e];
-        out[v * kSlice + e] = s;
-      }
-    }
-  };
-  float* const out_w = p.partial + at.row_block * a.hidden + at.col0;
-  float* const out_b = out_w + p.row_blocks * a.hidden;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    emit(dw[k], out_w, at.lane + k * T);
-    emit(db[k], out_b, at.lane + k * T);
-  }
+  if (p.partial != nullptr) write_partial_sums(a, p, at, dw, db);
 }
 
 template <int K, int kDt, bool kTail>

@@ -41,6 +41,15 @@ cudaError_t launch_norm_fwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 template <int K, int kDt, bool kTail>
 cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t stream);
 
+// The lean forward (norm_fast.cuh) for kDt >= 0; it lowers p.row_blocks to the blocks that fit
+// on `sms` multiprocessors at once.
+template <int K, int kDt>
+cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
+// The lean backward, on the fused backward's plan (kFastBwdSlices slices a thread, one group).
+constexpr int kFastBwdSlices = 2;
+template <int kDt>
+cudaError_t launch_norm_bwd_fast(const NormArgs& a, const NormPlan& p, cudaStream_t stream);
+
 // How many blocks of `block` threads of the backward kernel fit on one SM.
 template <int K, int kDt, bool kTail>
 int norm_bwd_blocks_per_sm(int block);
