@@ -27,7 +27,8 @@ def poisoned_like(t, dtype=None):
 
 
 _DL_DTYPES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16),
-              torch.float64: (2, 64)}
+              torch.float64: (2, 64), torch.int32: (0, 32),
+              torch.int64: (0, 64)}
 
 
 class CApi:

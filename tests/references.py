@@ -264,16 +264,17 @@ def _as_torch(x):
     return torch.from_numpy(np.array(x))
 
 
-def error_bound(ref64, plain, dtype):
+def error_bound(ref64, plain, dtype, slack=1.0):
     tol = TOLERANCES[dtype]
     baseline = (plain.to(dtype).double() - ref64).abs().max().item()
-    return tol.factor * baseline + tol.atol * ref64.abs().max().item()
+    return slack * (tol.factor * baseline + tol.atol * ref64.abs().max().item())
 
 
-def assert_close(name, got, ref64, plain, dtype=None):
+def assert_close(name, got, ref64, plain, dtype=None, slack=1.0):
     """Checks one result (torch or numpy, any device) against the float64 reference, with the
-    tolerance of its dtype (or `dtype`). Also checks shape and that every element is finite,
-    so a NaN-poisoned output that was left unwritten fails."""
+    tolerance of its dtype (or `dtype`), times `slack` for results of several chained ops.
+    Also checks shape and that every element is finite, so a NaN-poisoned output that was
+    left unwritten fails."""
     got = _as_torch(got).cpu()
     dtype = dtype or got.dtype
     ref64 = ref64.double().cpu()
@@ -283,7 +284,7 @@ def assert_close(name, got, ref64, plain, dtype=None):
     got64 = got.double()
     assert torch.isfinite(got64).all(), f"{name}: non-finite values (unwritten output?)"
     err = (got64 - ref64).abs().max().item()
-    bound = error_bound(ref64, plain.cpu(), dtype)
+    bound = error_bound(ref64, plain.cpu(), dtype, slack)
     assert err <= bound, (f"{name} ({dtype}): max error {err:.3g} > bound {bound:.3g} "
                           f"(max |ref| {ref64.abs().max().item():.3g})")
 
@@ -482,3 +483,424 @@ def make_norm_cotangents(case, dtype, seed, device="cpu", dresidual_dtype=None):
         dres = torch.randn(row_shape, generator=g, dtype=torch.float64)
         dres = dres.to(dresidual_dtype or dtype).to(device)
     return dy, dres
+
+
+# ---------------------------------------------------------------------------------------------
+# Selective-state decode step (libssm/state_update.h): the formula written in NumPy (the float64
+# reference) and in torch (any precision: float32 gives the plain baseline of the tolerance
+# table). Both take either layout and return (out, new_state) without touching their inputs;
+# new_state is the whole state tensor, slots no row names left as they were.
+
+
+def _su_silu_np(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def _su_softplus_np(v):
+    return np.where(v <= 20.0, np.log1p(np.exp(np.minimum(v, 20.0))), v)
+
+
+def state_update_numpy(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, *,
+                       dt_softplus=False, state_batch_indices=None):
+    """(out, new_state) as float64 NumPy arrays, shaped like x and state."""
+    mamba1 = np.ndim(state) == 3
+    s, x, dt, A, B, C = (_np64(a) for a in (state, x, dt, A, B, C))
+    D, z, dt_bias = (_np64(a) for a in (D, z, dt_bias))
+    if mamba1:  # as Mamba-2 with one head and one group
+        s, x, dt, A, B, C = s[:, None], x[:, None], dt[:, None], A[None], B[:, None], C[:, None]
+        D, z, dt_bias = (None if a is None else a[None] if a.ndim == 1 else a[:, None]
+                         for a in (D, z, dt_bias))
+    batch, nheads = x.shape[0], s.shape[1]
+    heads_per_group = nheads // B.shape[1]
+    slots = (np.arange(batch) if state_batch_indices is None
+             else _np64(state_batch_indices).astype(np.int64))
+    d = dt if dt_bias is None else dt + dt_bias
+    if dt_softplus:
+        d = _su_softplus_np(d)
+    Bh = np.repeat(B, heads_per_group, axis=1)[:, :, None, :]  # (batch, nheads, 1, dstate)
+    Ch = np.repeat(C, heads_per_group, axis=1)[:, :, None, :]
+    live = slots >= 0
+    new = s.copy()
+    nxt = (s[slots[live]] * np.exp(A[None] * d[live][..., None])
+           + Bh[live] * (d * x)[live][..., None])
+    new[slots[live]] = nxt
+    y = (nxt * Ch[live]).sum(-1)
+    if D is not None:
+        y = y + D * x[live]
+    if z is not None:
+        y = y * _su_silu_np(z[live])
+    out = np.zeros(x.shape)
+    out[live] = y
+    if mamba1:
+        return out[:, 0], new[:, 0]
+    return out, new
+
+
+def state_update_torch(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, *,
+                       dt_softplus=False, state_batch_indices=None, precision=torch.float64):
+    """(out, new_state) computed in `precision` on the CPU, as state_update_numpy."""
+    def t(a):
+        return None if a is None else a.detach().to("cpu", precision)
+    mamba1 = state.dim() == 3
+    s, x, dt, A, B, C, D, z, dt_bias = (t(a) for a in (state, x, dt, A, B, C, D, z, dt_bias))
+    if mamba1:
+        s, x, dt, A, B, C = (s[:, None], x[:, None], dt[:, None], A[None], B[:, None],
+                             C[:, None])
+        D, z, dt_bias = (None if a is None else a[None] if a.dim() == 1 else a[:, None]
+                         for a in (D, z, dt_bias))
+    batch, nheads = x.shape[0], s.shape[1]
+    heads_per_group = nheads // B.shape[1]
+    slots = (torch.arange(batch) if state_batch_indices is None
+             else state_batch_indices.detach().cpu().long())
+    d = dt if dt_bias is None else dt + dt_bias
+    if dt_softplus:
+        d = torch.where(d <= 20.0, torch.log1p(torch.exp(d.clamp(max=20.0))), d)
+    live = slots >= 0
+    Bh = B.repeat_interleave(heads_per_group, 1)[live][:, :, None, :]
+    Ch = C.repeat_interleave(heads_per_group, 1)[live][:, :, None, :]
+    nxt = (s[slots[live]] * torch.exp(A[None] * d[live][..., None])
+           + Bh * (d * x)[live][..., None])
+    new = s.clone()
+    new[slots[live]] = nxt
+    y = (nxt * Ch).sum(-1)
+    if D is not None:
+        y = y + D * x[live]
+    if z is not None:
+        y = y * torch.nn.functional.silu(z[live])
+    out = torch.zeros(x.shape, dtype=precision)
+    out[live] = y
+    if mamba1:
+        return out[:, 0], new[:, 0]
+    return out, new
+
+
+STATE_UPDATE_INPUT_NAMES = ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias",
+                            "state_batch_indices")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateUpdateCase:
+    """One decode-step configuration. layout: "mamba1" (state (batch_state, dim, dstate), where
+    headdim is dim) or "mamba2". tie: Mamba-2's broadcast operands, dt (batch, nheads) and
+    dt_bias, D and A (nheads,) repeated with stride 0 along headdim (and dstate for A).
+    indices: None, "perm" (the rows use a shuffled subset of batch_state slots) or "pad" (the
+    same with every third row a padding row, index -1); index_dtype its dtype. extra_slots:
+    state rows beyond those the rows use (untouched)."""
+    layout: str = "mamba2"
+    batch: int = 3
+    nheads: int = 4
+    headdim: int = 5
+    dstate: int = 16
+    ngroups: int = 2
+    D: bool = False
+    z: bool = False
+    dt_bias: bool = False
+    softplus: bool = False
+    tie: bool = False
+    indices: str = None
+    index_dtype: str = "int64"
+    extra_slots: int = 0
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def batch_state(self):
+        return self.batch + self.extra_slots + (2 if self.indices else 0)
+
+    def options(self):
+        return dict(dt_softplus=self.softplus)
+
+    def label(self):
+        """A short test id: the fields that differ from the default case."""
+        base = StateUpdateCase()
+        diff = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(base, f.name)]
+        return ",".join(diff) or "base"
+
+
+def make_state_update_inputs(case, dtype, seed, device="cpu", state_dtype=None, dtypes=None):
+    """Inputs for `case` as torch tensors on `device`: the state in state_dtype (default
+    `dtype`), every other float operand in `dtype` unless `dtypes` names another for it; absent
+    operands are None. Values are drawn in float64 and rounded once. A in [-2, -0.1] and dt
+    in [0, 0.5) (dt_bias in [-0.25, 0.25)) decay the state by exp(A dt) between 0.37 and 1, as
+    trained Mamba layers do."""
+    g = torch.Generator().manual_seed(seed)
+    dtypes = dict(dtypes or {})
+    m2 = case.layout == "mamba2"
+    b, h, p, n, G = case.batch, case.nheads, case.headdim, case.dstate, case.ngroups
+    rows = (b, h, p) if m2 else (b, p)
+    channel = (h, p) if m2 else (p,)
+
+    def draw(name, shape, kind="randn", default=None):
+        if kind == "randn":
+            a = torch.randn(shape, generator=g, dtype=torch.float64)
+        elif kind == "dt":
+            a = 0.5 * torch.rand(shape, generator=g, dtype=torch.float64)
+        elif kind == "bias":
+            a = 0.5 * torch.rand(shape, generator=g, dtype=torch.float64) - 0.25
+        else:  # "A"
+            a = -0.1 - 1.9 * torch.rand(shape, generator=g, dtype=torch.float64)
+        return a.to(dtypes.get(name, default or dtype)).to(device)
+
+    def per_head(name, kind, full_shape):
+        """Mamba-2's tied operand: one value per head (and row of dt), stride 0 elsewhere."""
+        lead = (b, h) if name == "dt" else (h,)
+        base = draw(name, lead, kind)
+        return base.reshape(lead + (1,) * (len(full_shape) - len(lead))).expand(full_shape)
+
+    tie = case.tie and m2
+    inputs = {
+        "state": draw("state", (case.batch_state,) + ((h, p, n) if m2 else (p, n)),
+                      default=state_dtype or dtype),
+        "x": draw("x", rows),
+        "dt": per_head("dt", "dt", rows) if tie else draw("dt", rows, "dt"),
+        "A": per_head("A", "A", (h, p, n)) if tie else draw("A", (h, p, n) if m2 else (p, n),
+                                                            "A"),
+        "B": draw("B", (b, G, n) if m2 else (b, n)),
+        "C": draw("C", (b, G, n) if m2 else (b, n)),
+        "D": (per_head("D", "randn", channel) if tie else draw("D", channel)) if case.D
+        else None,
+        "z": draw("z", rows) if case.z else None,
+        "dt_bias": ((per_head("dt_bias", "bias", channel) if tie else
+                     draw("dt_bias", channel, "bias")) if case.dt_bias else None),
+        "state_batch_indices": None,
+    }
+    if case.indices:
+        slots = torch.randperm(case.batch_state, generator=g)[:b]
+        if case.indices == "pad":
+            slots[::3] = -1
+        inputs["state_batch_indices"] = slots.to(getattr(torch, case.index_dtype)).to(device)
+    return inputs
+
+
+def state_update_references(inputs, options):
+    """{"out": (float64 reference, plain float32 evaluation), "state": (...)}: the NumPy formula
+    is the reference, the torch formula run in float32 the baseline of assert_close."""
+    ref_out, ref_state = state_update_numpy(**inputs, **options)
+    plain_out, plain_state = state_update_torch(**inputs, **options, precision=torch.float32)
+    return {"out": (torch.from_numpy(ref_out), plain_out),
+            "state": (torch.from_numpy(ref_state), plain_state)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal depthwise conv1d: the formulas in src_cuda/include/libssm/conv1d.h, written in NumPy
+# (loops over positions, forward and decode step) and in torch (shifted slices, differentiable in
+# every input). Positions -(W-1) .. -1 come from initial_states; with seq_idx an output reads
+# only inputs of its own packed sequence, and positions below 0 belong to position 0's.
+
+
+def conv1d_numpy(x, weight, bias=None, initial_states=None, seq_idx=None, silu=False):
+    """Returns (out, final_states) as float64 arrays."""
+    x, weight, bias, init = (_np64(a) for a in (x, weight, bias, initial_states))
+    sid = None if seq_idx is None else np.asarray(seq_idx.cpu() if isinstance(
+        seq_idx, torch.Tensor) else seq_idx)
+    batch, dim, seqlen = x.shape
+    width = weight.shape[1]
+
+    def xs(b, c, p):
+        if p >= 0:
+            return x[b, c, p]
+        return 0.0 if init is None else init[b, c, p + width - 1]
+
+    def seq(b, p):
+        return sid[b, max(p, 0)]
+
+    out = np.empty((batch, dim, seqlen))
+    final = np.zeros((batch, dim, width - 1))
+    for b in range(batch):
+        for c in range(dim):
+            for t in range(seqlen):
+                z = 0.0 if bias is None else bias[c]
+                for k in range(width):
+                    p = t - (width - 1) + k
+                    if sid is None or seq(b, p) == seq(b, t):
+                        z += weight[c, k] * xs(b, c, p)
+                out[b, c, t] = z / (1.0 + np.exp(-z)) if silu else z
+            for j in range(width - 1):
+                p = seqlen - (width - 1) + j
+                if sid is None or seqlen == 0 or seq(b, p) == seq(b, seqlen - 1):
+                    final[b, c, j] = xs(b, c, p)
+    return out, final
+
+
+def conv1d_torch(x, weight, bias=None, initial_states=None, seq_idx=None, silu=False):
+    """The same formula in the inputs' dtype, differentiable in x, weight, bias and
+    initial_states. Returns (out, final_states)."""
+    batch, dim, seqlen = x.shape
+    width = weight.shape[1]
+    init = initial_states if initial_states is not None else \
+        x.new_zeros((batch, dim, width - 1))
+    xs = torch.cat([init, x], dim=-1)  # position p at index p + width - 1
+    if seq_idx is not None and seqlen > 0:
+        ids = torch.cat([seq_idx[:, :1].expand(batch, width - 1), seq_idx], dim=-1).to(x.device)
+    else:
+        ids = None
+    out = x.new_zeros((batch, dim, seqlen)) if bias is None else \
+        bias[None, :, None].expand(batch, dim, seqlen)
+    for k in range(width):
+        term = weight[None, :, k, None] * xs[..., k:k + seqlen]
+        if ids is not None:
+            term = term * (ids[:, k:k + seqlen] == ids[:, width - 1:])[:, None, :].to(x.dtype)
+        out = out + term
+    if silu:
+        out = torch.nn.functional.silu(out)
+    final = xs[..., seqlen:]
+    if ids is not None:
+        final = final * (ids[:, seqlen:] == ids[:, -1:])[:, None, :].to(x.dtype)
+    return out, final
+
+
+CONV1D_INPUT_NAMES = ("x", "weight", "bias", "initial_states")
+
+
+def conv1d_reference(inputs, silu, dout=None, dfinal_states=None, precision=torch.float64):
+    """Forward and, when dout is given, the gradients of every float input, from the torch
+    formula on the CPU in `precision`. inputs: x, weight, bias, initial_states (tensors or
+    None) and seq_idx. Returns CPU tensors: out, final_states and, with dout, d<name> for each
+    present input, for the loss sum(out * dout) + sum(final_states * dfinal_states).
+
+    With precision float64 this is the reference; with float32 it is the plain same-precision
+    evaluation that assert_close takes as its baseline."""
+    leaves = {}
+    for name in CONV1D_INPUT_NAMES:
+        a = inputs.get(name)
+        if a is not None:
+            leaves[name] = a.detach().to("cpu", precision).requires_grad_(dout is not None)
+    seq_idx = inputs.get("seq_idx")
+    seq_idx = None if seq_idx is None else seq_idx.cpu()
+    with torch.set_grad_enabled(dout is not None):
+        out, final = conv1d_torch(leaves["x"], leaves["weight"], leaves.get("bias"),
+                                  leaves.get("initial_states"), seq_idx, silu)
+    result = {"out": out.detach(), "final_states": final.detach()}
+    if dout is not None:
+        loss = (out * dout.detach().to("cpu", precision)).sum()
+        if dfinal_states is not None:
+            loss = loss + (final * dfinal_states.detach().to("cpu", precision)).sum()
+        names = list(leaves)
+        grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+        for n, g in zip(names, grads):
+            result["d" + n] = torch.zeros_like(leaves[n]) if g is None else g
+    return result
+
+
+def conv1d_update_numpy(x, conv_state, weight, bias=None, silu=False, cache_seqlens=None,
+                        conv_state_indices=None):
+    """One decode step. Returns (out, new conv_state) as float64 arrays; padding rows give zero
+    output and leave their state alone."""
+    x, state, weight, bias = (_np64(a) for a in (x, conv_state, weight, bias))
+    state = state.copy()
+
+    def ints(a):
+        return None if a is None else np.asarray(a.cpu() if isinstance(a, torch.Tensor) else a)
+
+    cache_seqlens, conv_state_indices = ints(cache_seqlens), ints(conv_state_indices)
+    squeeze = x.ndim == 2
+    x3 = x[..., None] if squeeze else x
+    batch, dim, seqlen = x3.shape
+    width, state_len = weight.shape[1], state.shape[2]
+    out = np.zeros((batch, dim, seqlen))
+    for b in range(batch):
+        s = b if conv_state_indices is None else int(conv_state_indices[b])
+        if s < 0:
+            continue
+        for c in range(dim):
+            if cache_seqlens is None:
+                v = np.concatenate([state[s, c], x3[b, c]])
+                lead = state_len
+            else:
+                q = int(cache_seqlens[b])
+                v = np.concatenate([[state[s, c, (q - (width - 1) + j) % state_len]
+                                     for j in range(width - 1)], x3[b, c]])
+                lead = width - 1
+            for t in range(seqlen):
+                z = (0.0 if bias is None else bias[c]) + sum(
+                    weight[c, k] * v[lead + t - (width - 1) + k] for k in range(width))
+                out[b, c, t] = z / (1.0 + np.exp(-z)) if silu else z
+            if cache_seqlens is None:
+                state[s, c] = v[seqlen:]
+            else:
+                for t in range(seqlen):
+                    state[s, c, (q + t) % state_len] = x3[b, c, t]
+    return (out[..., 0] if squeeze else out), state
+
+
+@dataclasses.dataclass(frozen=True)
+class Conv1dCase:
+    """One conv1d configuration. layout: "seq" (contiguous along seqlen) or "channel_last";
+    seq_idx: None, or the lengths of the packed sequences of every row, which must add up to
+    seqlen (each row uses them in another order)."""
+    batch: int = 2
+    dim: int = 6
+    seqlen: int = 37
+    width: int = 4
+    bias: bool = True
+    silu: bool = True
+    initial_states: bool = False
+    final_states: bool = False
+    seq_idx: tuple = None
+    layout: str = "seq"
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+    def label(self):
+        """A short test id: the fields that differ from the default case."""
+        base = Conv1dCase()
+        diff = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(base, f.name)]
+        return ",".join(diff).replace(" ", "") or "base"
+
+
+def _seq_idx_for(case):
+    """(batch, seqlen) int32 ids: row b takes the case's lengths rotated by b, numbered from b
+    (so ids differ between rows and packed sequences differ within one)."""
+    lengths = list(case.seq_idx)
+    assert sum(lengths) == case.seqlen, "seq_idx lengths must add up to seqlen"
+    rows = []
+    for b in range(case.batch):
+        order = lengths[b % len(lengths):] + lengths[:b % len(lengths)]
+        rows.append(np.repeat(np.arange(len(order)) + b, order))
+    return torch.from_numpy(np.array(rows, dtype=np.int32).reshape(case.batch, case.seqlen))
+
+
+def in_layout(t, layout):
+    """t (batch, dim, seqlen) in the layout: as it is, or channel-last (stride 1 along dim)."""
+    if layout == "channel_last":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    return t.contiguous()
+
+
+def make_conv1d_inputs(case, dtype, seed, device="cpu", dtypes=None):
+    """x in `dtype` and the case's layout; weight, bias, initial_states in `dtype` unless
+    `dtypes` names another for one of them; seq_idx int32. Values are drawn in float64 and
+    rounded once; weights are scaled by 1/sqrt(width) as in nn.Conv1d's initialisation."""
+    g = torch.Generator().manual_seed(seed)
+    dtypes = dict(dtypes or {})
+    b, d, l, w = case.batch, case.dim, case.seqlen, case.width
+
+    def make(name, shape, scale=1.0):
+        a = scale * torch.randn(shape, generator=g, dtype=torch.float64)
+        return a.to(dtypes.get(name, dtype)).to(device)
+
+    x = in_layout(make("x", (b, d, l)), case.layout)
+    return {
+        "x": x,
+        "weight": make("weight", (d, w), w ** -0.5),
+        "bias": make("bias", (d,), 0.5) if case.bias else None,
+        "initial_states": make("initial_states", (b, d, w - 1)) if case.initial_states else None,
+        "seq_idx": None if case.seq_idx is None else _seq_idx_for(case).to(device),
+    }
+
+
+def make_conv1d_cotangents(case, dtype, seed, device="cpu"):
+    """dout like x (dtype, layout) and dfinal_states (float32) when the case returns final
+    states, else None."""
+    g = torch.Generator().manual_seed(seed ^ 0xC0417)
+    b, d, l, w = case.batch, case.dim, case.seqlen, case.width
+    dout = torch.randn((b, d, l), generator=g, dtype=torch.float64).to(dtype)
+    dout = in_layout(dout, case.layout).to(device)
+    dfinal = None
+    if case.final_states:
+        dfinal = torch.randn((b, d, w - 1), generator=g, dtype=torch.float64).float().to(device)
+    return dout, dfinal

@@ -8,8 +8,9 @@ Scan: the narrow and wide forward kernels, the checkpoint replay and the backwar
 blocks, partial chunks, padded states, groups and fixed B/C. Norm: forward and backward (every
 gradient) on each kernel path: rows shorter than one 8-column slice, partial slices, rows held
 in registers and rows re-read (hidden past 16384, up to 65536), tiny groups, gate on either side,
-LayerNorm, many rows (dweight/dbias partial sums) and unaligned row strides. Numerics are the
-pytest suites' job; this only has to drive every kernel path once."""
+LayerNorm, many rows (dweight/dbias partial sums) and unaligned row strides. Causal conv1d:
+each kernel family and path, forward, backward and the decode step (CONV1D_CASES). Numerics are
+the pytest suites' job; this only has to drive every kernel path once."""
 import torch
 
 import libssm
@@ -87,10 +88,138 @@ def run_norm_cases():
               f"gate={gated}/{before} pad={pad}: ran, finite={finite}", flush=True)
 
 
+# Selective-state decode step: every kernel variant (float32 states with one and two 16-byte
+# chunks a lane, fp16 and bf16 states, the element-by-element kernel for dstate 1 and 17 and for
+# an unaligned state), lane groups left partly idle, Mamba-2's stride-0 operands, and indices with
+# a padding row and a slot past batch_state (whose out is NaN by design).
+STATE_UPDATE_CASES = [  # layout, batch, nheads, headdim, dstate, ngroups, state, rest, tie,
+    # indices, unaligned state
+    ("mamba1", 3, 1, 37, 16, 1, torch.float32, torch.bfloat16, False, None, False),
+    ("mamba1", 4, 1, 33, 48, 1, torch.float32, torch.float32, False, torch.int32, False),
+    ("mamba2", 3, 6, 5, 132, 3, torch.float32, torch.float16, False, torch.int64, False),
+    ("mamba2", 2, 4, 3, 256, 2, torch.float32, torch.bfloat16, True, None, False),
+    ("mamba2", 5, 8, 7, 8, 4, torch.float16, torch.float16, True, torch.int64, False),
+    ("mamba2", 3, 24, 64, 128, 1, torch.bfloat16, torch.bfloat16, True, torch.int32, False),
+    ("mamba2", 2, 4, 9, 256, 1, torch.bfloat16, torch.float32, False, None, False),
+    ("mamba2", 3, 4, 5, 1, 2, torch.float32, torch.float32, False, torch.int64, False),
+    ("mamba2", 2, 2, 3, 17, 1, torch.bfloat16, torch.bfloat16, True, None, False),
+    ("mamba2", 4, 4, 5, 32, 2, torch.float32, torch.bfloat16, False, torch.int64, True),
+]
+
+
+def run_state_update_cases():
+    for (layout, batch, nheads, headdim, dstate, ngroups, state_dtype, dtype, tie, index_dtype,
+         unaligned) in STATE_UPDATE_CASES:
+        m2 = layout == "mamba2"
+        r = lambda *s, dt=dtype: torch.randn(*s, device="cuda", dtype=dt)
+        rows = (batch, nheads, headdim) if m2 else (batch, headdim)
+        slots = batch + 2
+        state_shape = (slots, nheads, headdim, dstate) if m2 else (slots, headdim, dstate)
+        state = r(*state_shape, dt=state_dtype)
+        if unaligned:  # two elements into a larger buffer: no 16-byte chunks
+            state = torch.empty(state.numel() + 2, device="cuda",
+                                dtype=state_dtype)[2:].view(state_shape).copy_(state)
+        x, z = r(*rows), r(*rows)
+        if tie:  # Mamba-2's step: one dt, dt_bias, D and A value a head
+            dt = torch.rand(batch, nheads, 1, device="cuda", dtype=dtype).expand(rows)
+            bias, D = r(nheads, 1).expand(nheads, headdim), r(nheads, 1).expand(nheads, headdim)
+            A = -torch.rand(nheads, 1, 1, device="cuda").expand(nheads, headdim, dstate)
+        else:
+            dt = torch.rand(*rows, device="cuda", dtype=dtype)
+            bias, D = r(*rows[1:]), r(*rows[1:])
+            A = -torch.rand(*(rows[1:] + (dstate,)), device="cuda")
+        bc = (batch, ngroups, dstate) if m2 else (batch, dstate)
+        B, C = r(*bc), r(*bc)
+        idx = None
+        if index_dtype is not None:
+            idx = torch.randperm(slots, device="cuda")[:batch].to(index_dtype)
+            idx[0], idx[-1] = -1, slots + 3  # a padding row, and one past batch_state
+        out = libssm.selective_state_update(state, x, dt, A, B, C, D, z, bias, dt_softplus=True,
+                                            state_batch_indices=idx)
+        torch.cuda.synchronize()
+        checked = out if idx is None else out[:-1]
+        finite = bool(torch.isfinite(checked).all()) and bool(torch.isfinite(state).all())
+        print(f"state update {layout} {(batch, nheads, headdim, dstate, ngroups)} "
+              f"{str(state_dtype)[6:]}/{str(dtype)[6:]} tie={tie} indices={index_dtype} "
+              f"unaligned={unaligned}: ran, finite={finite}", flush=True)
+
+
+# Causal conv1d: the seq kernels (segments of 1 to 32 lanes, vector and element loads, rows cut
+# into chunks, packed sequences across chunk edges) and the chan kernels (channel-last and
+# strided x, odd dims), widths 4 and 8 of each, every output and gradient, seqlen 0 and the
+# decode step with a circular buffer, padding rows and an index past batch_state (NaN by design).
+CONV1D_CASES = [  # batch, dim, seqlen, width, dtype, layout, seq_idx, initial/final states
+    (2, 5, 1, 4, torch.bfloat16, "seq", False, True),
+    (3, 7, 13, 2, torch.float16, "seq", True, True),
+    (2, 33, 257, 8, torch.float32, "seq", True, True),
+    (2, 64, 2048, 4, torch.bfloat16, "seq", False, True),
+    (1, 3, 40001, 6, torch.bfloat16, "seq", True, True),
+    (2, 9, 301, 4, torch.float16, "unaligned", False, True),
+    (2, 67, 999, 4, torch.bfloat16, "channel_last", True, True),
+    (1, 5, 300, 8, torch.float32, "channel_last", False, False),
+    (2, 6, 77, 5, torch.bfloat16, "strided", True, True),
+    (2, 4, 0, 4, torch.float32, "seq", False, True),
+]
+
+
+def conv1d_x(batch, dim, seqlen, dtype, layout):
+    r = torch.randn(batch, dim, seqlen, device="cuda", dtype=dtype)
+    if layout == "channel_last":
+        return r.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "strided":
+        wide = torch.zeros(batch, dim, 2 * seqlen, device="cuda", dtype=dtype)
+        wide[..., ::2] = r
+        return wide[..., ::2]
+    if layout == "unaligned":
+        flat = torch.zeros(r.numel() + 1, device="cuda", dtype=dtype)
+        return flat[1:].view(r.shape).copy_(r)
+    return r
+
+
+def run_conv1d_cases():
+    for batch, dim, seqlen, width, dtype, layout, packed, states in CONV1D_CASES:
+        x, dout = (conv1d_x(batch, dim, seqlen, dtype, layout) for _ in range(2))
+        weight = torch.randn(dim, width, device="cuda")
+        bias = torch.randn(dim, device="cuda", dtype=dtype)
+        init = torch.randn(batch, dim, width - 1, device="cuda") if states else None
+        seq_idx = None
+        if packed and seqlen:
+            cut = torch.randint(0, 3, (batch, seqlen), device="cuda").cumsum(-1) // 2
+            seq_idx = cut.to(torch.int32)
+        result = libssm.causal_conv1d(x, weight, bias, activation="silu", initial_states=init,
+                                      return_final_states=states, seq_idx=seq_idx)
+        dfinal = torch.randn_like(result[1]) if states else None
+        grads = libssm.causal_conv1d_bwd(x, weight, dout, bias, activation="silu",
+                                         initial_states=init, seq_idx=seq_idx,
+                                         dfinal_states=dfinal)
+        torch.cuda.synchronize()
+        outputs = (tuple(result) if states else (result,)) + tuple(grads)
+        finite = all(bool(torch.isfinite(t).all()) for t in outputs if t is not None)
+        print(f"conv1d {(batch, dim, seqlen, width)} {str(dtype)[6:]} {layout} packed={packed} "
+              f"states={states}: ran, finite={finite}", flush=True)
+    for batch, dim, width, state_len, seqlen, circular in [(3, 7, 4, 3, None, False),
+                                                          (5, 33, 8, 12, 3, True),
+                                                          (4, 64, 2, 1, 2, False)]:
+        x_shape = (batch, dim) if seqlen is None else (batch, dim, seqlen)
+        x = torch.randn(*x_shape, device="cuda", dtype=torch.bfloat16)
+        state = torch.randn(batch + 2, dim, state_len, device="cuda")
+        idx = torch.randperm(batch + 2, device="cuda")[:batch].to(torch.int32)
+        idx[0], idx[-1] = -1, batch + 5  # a padding row, and one past batch_state
+        cache = torch.randint(0, 50, (batch,), device="cuda") if circular else None
+        out = libssm.causal_conv1d_update(x, state, torch.randn(dim, width, device="cuda"),
+                                          activation="silu", cache_seqlens=cache,
+                                          conv_state_indices=idx)
+        torch.cuda.synchronize()
+        finite = bool(torch.isfinite(out[:-1]).all()) and bool(torch.isfinite(state).all())
+        print(f"conv1d update {(batch, dim, width, state_len, seqlen)} circular={circular}: "
+              f"ran, finite={finite}", flush=True)
+
+
 def main():
     torch.manual_seed(0)
     run_scan_cases()
     run_norm_cases()
+    run_conv1d_cases()
 
 
 if __name__ == "__main__":

@@ -6,12 +6,16 @@ autograd. The shared library is opened on first use ($LIBSSM_LIBRARY overrides w
 from .errors import (CudaError, DeviceError, DTypeError, Error, InternalError,
                      InvalidArgumentError, LayoutError, ShapeError, UnsupportedError,
                      WorkspaceError)
+from .conv1d import Conv1dGrads, causal_conv1d, causal_conv1d_bwd, causal_conv1d_update
 from .norm import NormForward, NormGrads, layer_norm, norm_bwd, norm_fwd, rms_norm
 from .selective_scan import SelectiveScanGrads, selective_scan, selective_scan_bwd
+from .state_update import selective_state_update
 
 __all__ = [
     "__version__", "version", "abi_version", "cuda_device_count", "library_path",
     "selective_scan", "selective_scan_bwd", "SelectiveScanGrads",
+    "causal_conv1d", "causal_conv1d_bwd", "causal_conv1d_update", "Conv1dGrads",
+    "selective_state_update",
     "rms_norm", "layer_norm", "norm_fwd", "norm_bwd", "NormForward", "NormGrads",
     "Error", "InvalidArgumentError", "ShapeError", "DTypeError", "DeviceError", "LayoutError",
     "UnsupportedError", "WorkspaceError", "CudaError", "InternalError",

@@ -2,13 +2,14 @@
 against a reference (CPU: libssm's CPU path against a float64 NumPy evaluation of the formula;
 each CUDA device: libssm on the GPU against libssm's CPU path, in float32 and bfloat16), one
 line per check and a summary; the exit status is nonzero on any failure. The ops are the
-selective scan and the fused norm."""
+selective scan, the fused norm and the causal conv1d."""
 
 import sys
 
 import numpy as np
 
-from . import _norm_reference, _reference
+from . import _conv1d_reference, _norm_reference, _reference
+from . import _state_update_reference
 
 # Max |result - reference| / max |reference| allowed, per (compared against, dtype, op).
 TOLERANCE = {
@@ -18,6 +19,9 @@ TOLERANCE = {
     ("cpu", "float32", "bwd"): 1e-3,
     ("cpu", "bfloat16", "fwd"): 1e-2,   # bf16 outputs carry 2^-9 relative rounding
     ("cpu", "bfloat16", "bwd"): 2e-2,
+    ("float64 reference", "float32", "step"): 1e-5,  # the decode step
+    ("cpu", "float32", "step"): 1e-4,
+    ("cpu", "bfloat16", "step"): 1e-2,
 }
 
 # Each case varies the options the kernels specialise on.
@@ -206,6 +210,196 @@ class Report:
             self.compare(where, op, dtype, case, against, got, ref, family)
 
 
+# Selective-state decode step: Mamba-1 with every optional operand, Mamba-2 with groups and
+# state_batch_indices holding a padding row. The state is float32; on CUDA the other operands
+# take the checked dtype.
+STATE_UPDATE_CASES = {
+    "mamba1": dict(mamba2=False, D=True, z=True, dt_bias=True, softplus=True),
+    "mamba2": dict(mamba2=True, ngroups=2, D=True, dt_bias=True, softplus=True, indices=True),
+}
+STATE_UPDATE_CPU_SIZES = dict(batch=3, nheads=4, headdim=3, dstate=5)
+STATE_UPDATE_CUDA_SIZES = dict(batch=5, nheads=8, headdim=64, dstate=128)
+
+
+def make_state_update_inputs(case, batch, nheads, headdim, dstate, seed):
+    """(float32 NumPy inputs, dt_softplus) for one decode-step case; state_batch_indices, when
+    the case has them, are int64 with row 0 a padding row."""
+    rng = np.random.default_rng(seed)
+    opts = STATE_UPDATE_CASES[case]
+    m2 = opts["mamba2"]
+    ngroups = opts.get("ngroups", 1)
+    if not m2:
+        nheads = ngroups = 1
+    rows = (batch, nheads, headdim) if m2 else (batch, headdim)
+    channel = rows[1:]
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    def uniform(low, high, *shape):
+        return rng.uniform(low, high, shape).astype(np.float32)
+
+    slots = batch + 2
+    x = {
+        "state": normal(slots, *channel, dstate),
+        "x": normal(*rows), "dt": uniform(0.0, 0.5, *rows),
+        "A": uniform(-2.0, -0.1, *channel, dstate),
+        "B": normal(*((batch, ngroups, dstate) if m2 else (batch, dstate))),
+        "C": normal(*((batch, ngroups, dstate) if m2 else (batch, dstate))),
+        "D": normal(*channel) if opts.get("D") else None,
+        "z": normal(*rows) if opts.get("z") else None,
+        "dt_bias": uniform(-0.25, 0.25, *channel) if opts.get("dt_bias") else None,
+        "state_batch_indices": None,
+    }
+    if opts.get("indices"):
+        idx = rng.permutation(slots)[:batch].astype(np.int64)
+        idx[0] = -1
+        x["state_batch_indices"] = idx
+    return x, bool(opts.get("softplus"))
+
+
+def run_state_update(libssm, x, softplus):
+    """{"out", "state"} after one step; x["state"] is updated in place and returned."""
+    out = libssm.selective_state_update(x["state"], x["x"], x["dt"], x["A"], x["B"], x["C"],
+                                        x["D"], x["z"], x["dt_bias"], dt_softplus=softplus,
+                                        state_batch_indices=x["state_batch_indices"])
+    return {"out": out, "state": x["state"]}
+
+
+def _compare_state_update(report, where, dtype, case, against, run, reference):
+    import libssm
+    try:
+        results = run()
+    except libssm.Error as e:
+        report.failed += 1
+        report.say("FAIL  %-8s state_update_step %-8s %-5s %s: %s"
+                   % (where, dtype, case, type(e).__name__, e))
+        return
+    report.compare(where, "step", dtype, case, against, results, reference, "state_update")
+
+
+def check_state_update_cpu(report, libssm):
+    for seed, case in enumerate(STATE_UPDATE_CASES):
+        x, softplus = make_state_update_inputs(case, seed=seed, **STATE_UPDATE_CPU_SIZES)
+        out, state = _state_update_reference.step(x, softplus)
+        _compare_state_update(report, "cpu", "float32", case, "float64 reference",
+                              lambda: run_state_update(libssm, dict(x, state=x["state"].copy()),
+                                                       softplus),
+                              {"out": out, "state": state})
+
+
+def check_state_update_cuda(report, libssm, where, dtype, to_device, to_host):
+    for seed, case in enumerate(STATE_UPDATE_CASES):
+        x, softplus = make_state_update_inputs(case, seed=100 + seed, **STATE_UPDATE_CUDA_SIZES)
+        kinds = {"state": "float32", "state_batch_indices": "int64"}
+        dev = {k: None if v is None else to_device(v, kinds.get(k, dtype)) for k, v in x.items()}
+        # The CPU path sees exactly the values the GPU sees (already rounded to dtype), in host
+        # arrays of its own (to_host may return a view), since it updates the state in place.
+        host = {k: None if v is None else np.array(to_host(v)) for k, v in dev.items()}
+        host["state_batch_indices"] = x["state_batch_indices"]
+        reference = run_state_update(libssm, host, softplus)
+
+        def run():
+            return {k: to_host(v) for k, v in run_state_update(libssm, dev, softplus).items()}
+        _compare_state_update(report, where, dtype, case, "cpu", run, reference)
+
+
+# Causal conv1d: the options the kernels branch on (packed sequences, initial and final
+# states) and both layouts of x, which take different kernels on CUDA.
+CONV1D_CASES = {
+    "plain": dict(width=4, bias=True, silu=True),
+    "states": dict(width=3, bias=True, initial_states=True, final_states=True, seq_idx=True),
+    "chanlast": dict(width=6, silu=True, final_states=True, channel_last=True),
+}
+CONV1D_CPU_SIZES = dict(batch=2, dim=3, seqlen=7)
+CONV1D_CUDA_SIZES = dict(batch=2, dim=48, seqlen=333)  # seqlen a multiple of no vector
+
+
+def make_conv1d_inputs(case, batch, dim, seqlen, seed):
+    """(float32 NumPy inputs, silu, return_final_states, dout, dfinal_states) for one conv1d
+    case; x and dout channel-last when the case says so."""
+    rng = np.random.default_rng(seed)
+    opts = CONV1D_CASES[case]
+    width = opts["width"]
+
+    def normal(*shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def layout(a):
+        return np.ascontiguousarray(a.transpose(0, 2, 1)).transpose(0, 2, 1) \
+            if opts.get("channel_last") else a
+
+    seq_idx = None
+    if opts.get("seq_idx"):
+        seq_idx = np.sort(rng.integers(0, 3, (batch, seqlen)), axis=1).astype(np.int32)
+    x = {
+        "x": layout(normal(batch, dim, seqlen)),
+        "weight": normal(dim, width, scale=width ** -0.5),
+        "bias": normal(dim) if opts.get("bias") else None,
+        "initial_states": normal(batch, dim, width - 1) if opts.get("initial_states") else None,
+        "seq_idx": seq_idx,
+    }
+    final = bool(opts.get("final_states"))
+    dfinal = normal(batch, dim, width - 1) if final else None
+    return x, bool(opts.get("silu")), final, layout(normal(batch, dim, seqlen)), dfinal
+
+
+def run_conv1d(libssm, x, silu, final, dout, dfinal):
+    """(forward outputs, backward gradients) by name, from whatever arrays x holds."""
+    activation = "silu" if silu else None
+    fwd = libssm.causal_conv1d(x["x"], x["weight"], x["bias"], activation=activation,
+                               initial_states=x["initial_states"], return_final_states=final,
+                               seq_idx=x["seq_idx"])
+    outputs = {"out": fwd[0], "final_states": fwd[1]} if final else {"out": fwd}
+    grads = libssm.causal_conv1d_bwd(x["x"], x["weight"], dout, x["bias"], activation=activation,
+                                     initial_states=x["initial_states"], seq_idx=x["seq_idx"],
+                                     dfinal_states=dfinal)
+    return outputs, {k: v for k, v in grads._asdict().items() if v is not None}
+
+
+def _conv1d_reference_results(x, silu, final, dout, dfinal):
+    out, final_states = _conv1d_reference.forward(x, silu)
+    fwd = {"out": out, "final_states": final_states} if final else {"out": out}
+    grads = _conv1d_reference.gradients(x, silu, dout, dfinal)
+    return fwd, {"d" + k: v for k, v in grads.items() if v is not None}
+
+
+def check_conv1d_cpu(report, libssm):
+    for seed, case in enumerate(CONV1D_CASES):
+        x, silu, final, dout, dfinal = make_conv1d_inputs(case, seed=seed, **CONV1D_CPU_SIZES)
+        report.compare_calls("cpu", "float32", case, "float64 reference",
+                             lambda: run_conv1d(libssm, x, silu, final, dout, dfinal),
+                             _conv1d_reference_results(x, silu, final, dout, dfinal),
+                             family="conv1d")
+
+
+def check_conv1d_cuda(report, libssm, where, dtype, to_device, to_host):
+    """The GPU against libssm's CPU path on the same (rounded) values: x, dout and the states
+    in dtype, weight and bias float32."""
+    kinds = {"weight": "float32", "bias": "float32", "seq_idx": "int32"}
+    for seed, case in enumerate(CONV1D_CASES):
+        x, silu, final, dout, dfinal = make_conv1d_inputs(case, seed=100 + seed,
+                                                          **CONV1D_CUDA_SIZES)
+        try:
+            dev = {k: None if v is None else to_device(v, kinds.get(k, dtype))
+                   for k, v in x.items()}
+            dev_dout = to_device(dout, dtype)
+            dev_dfinal = None if dfinal is None else to_device(dfinal, "float32")
+        except (ImportError, TypeError, ValueError) as e:
+            report.skip(where, "%s conv1d %s: cannot make these arrays (%s)" % (dtype, case, e))
+            continue
+        host = {k: None if v is None else to_host(v) for k, v in dev.items()}
+        host["seq_idx"] = x["seq_idx"]
+        reference = run_conv1d(libssm, host, silu, final, to_host(dev_dout),
+                               None if dev_dfinal is None else to_host(dev_dfinal))
+
+        def run():
+            fwd, bwd = run_conv1d(libssm, dev, silu, final, dev_dout, dev_dfinal)
+            return ({k: to_host(v) for k, v in fwd.items()},
+                    {k: to_host(v) for k, v in bwd.items()})
+        report.compare_calls(where, dtype, case, "cpu", run, reference, family="conv1d")
+
+
 def check_cpu(report, libssm):
     for seed, case in enumerate(CASES):
         x, softplus, last_state, dout, dlast = make_inputs(case, seed=seed, **CPU_SIZES)
@@ -221,6 +415,8 @@ def check_cpu(report, libssm):
         report.compare_calls("cpu", "float32", case, "float64 reference",
                              lambda: run_norm(libssm, x, opts, dy, dro),
                              _norm_reference_results(x, opts, dy, dro), family="norm")
+    check_conv1d_cpu(report, libssm)
+    check_state_update_cpu(report, libssm)
 
 
 def _torch_backend(device):
@@ -324,6 +520,8 @@ def check_cuda_device(report, libssm, device):
                         {k: to_host(v) for k, v in bwd.items()})
             report.compare_calls(where, dtype, case, "cpu", run_norm_device, reference,
                                  family="norm")
+        check_conv1d_cuda(report, libssm, where, dtype, to_device, to_host)
+        check_state_update_cuda(report, libssm, where, dtype, to_device, to_host)
 
 
 def report_overhead(report, cuda_devices):

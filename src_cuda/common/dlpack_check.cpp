@@ -48,11 +48,29 @@ bool to_dtype(DLDataType t, Dtype* d) {
   if (t.code == kDLFloat && t.bits == 32) *d = Dtype::F32;
   else if (t.code == kDLFloat && t.bits == 16) *d = Dtype::F16;
   else if (t.code == kDLBfloat && t.bits == 16) *d = Dtype::BF16;
+  else if (t.code == kDLInt && t.bits == 32) *d = Dtype::I32;
+  else if (t.code == kDLInt && t.bits == 64) *d = Dtype::I64;
   else return false;
   return true;
 }
 
-int64_t element_size(Dtype d) { return d == Dtype::F32 ? 4 : 2; }
+int64_t element_size(Dtype d) {
+  return d == Dtype::I64 ? 8 : d == Dtype::F32 || d == Dtype::I32 ? 4 : 2;
+}
+
+bool accepts(DtypeRule rule, Dtype d) {
+  const bool index = d == Dtype::I32 || d == Dtype::I64;
+  if (rule == DtypeRule::Index) return index;
+  return !index && (rule == DtypeRule::AnyFloat || d == Dtype::F32);
+}
+
+const char* expected_dtypes(DtypeRule rule) {
+  switch (rule) {
+    case DtypeRule::Float32: return "float32";
+    case DtypeRule::Index: return "int32 or int64";
+    default: return "float32, float16 or bfloat16";
+  }
+}
 
 // Axis strides in elements, with NULL strides read as compact row-major.
 void strides_of(const DLTensor* t, int64_t* out) {
@@ -180,10 +198,10 @@ ssm_status TensorChecker::add(const DLTensor* t, const char* name, bool required
   }
 
   Dtype d;
-  if (!to_dtype(t->dtype, &d) || (rule == DtypeRule::Float32 && d != Dtype::F32)) {
+  if (!to_dtype(t->dtype, &d) || !accepts(rule, d)) {
     format_dtype(got, sizeof got, t->dtype);
-    return fail(SSM_ERROR_DTYPE, "%s: expected dtype %s, got %s", name,
-                rule == DtypeRule::Float32 ? "float32" : "float32, float16 or bfloat16", got);
+    return fail(SSM_ERROR_DTYPE, "%s: expected dtype %s, got %s", name, expected_dtypes(rule),
+                got);
   }
 
   if (t->ndim < 0) return fail(SSM_ERROR_SHAPE, "%s: ndim is %d", name, int(t->ndim));

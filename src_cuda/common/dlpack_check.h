@@ -20,7 +20,9 @@ namespace ssm {
 
 constexpr int kMaxTensorDims = 4;
 
-enum class DtypeRule { AnyFloat, Float32 };  // float32, float16 or bfloat16; or float32 only
+// float32, float16 or bfloat16; float32 only; or int32 / int64 (index arguments, which no float
+// rule accepts).
+enum class DtypeRule { AnyFloat, Float32, Index };
 enum class Role { Input, Output };
 
 // One argument after TensorChecker::add: an absent optional argument has t == nullptr.

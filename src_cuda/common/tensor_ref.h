@@ -1,16 +1,23 @@
 // The validated, framework-free view of a tensor that op implementations receive: data already
 // offset by DLPack's byte_offset, the element type reduced to the three float types libssm
-// computes with, and one stride per axis in elements, in the axis order the op documents.
+// computes with (or, for the index arguments an op asks for by DtypeRule::Index, int32/int64),
+// and one stride per axis in elements, in the axis order the op documents.
 #pragma once
 
 #include <cstdint>
 
 namespace ssm {
 
-enum class Dtype : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
+enum class Dtype : int32_t { F32 = 0, F16 = 1, BF16 = 2, I32 = 3, I64 = 4 };
 
 inline const char* dtype_name(Dtype d) {
-  return d == Dtype::F32 ? "float32" : d == Dtype::F16 ? "float16" : "bfloat16";
+  switch (d) {
+    case Dtype::F32: return "float32";
+    case Dtype::F16: return "float16";
+    case Dtype::BF16: return "bfloat16";
+    case Dtype::I32: return "int32";
+    default: return "int64";
+  }
 }
 
 struct TensorRef {

@@ -4,7 +4,9 @@
 #define LIBSSM_SSM_H_
 
 #include "libssm/core.h"
+#include "libssm/conv1d.h"
 #include "libssm/norm.h"
 #include "libssm/selective_scan.h"
+#include "libssm/state_update.h"
 
 #endif /* LIBSSM_SSM_H_ */
