@@ -13,6 +13,35 @@
 
 namespace ssm {
 
+namespace norm_detail {
+
+// A thread's K slices (lane + k * threads): whether each lies in the row, its first column, and
+// its scale w (weight, + 1 when zero-centred, or 1), kept for the whole walk down the rows.
+template <int K>
+__device__ __forceinline__ void thread_columns(const NormArgs& a, const NormPlan& p, int lane,
+                                               bool (&valid)[K], int64_t (&col)[K],
+                                               Slice (&w)[K]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int v = lane + k * p.threads;
+    valid[k] = v < p.nslices;
+    col[k] = int64_t(v) * kSlice;
+    if (valid[k] && a.weight.present()) {
+      fetch_slice(a.weight.data, a.weight.dtype, col[k], kSlice, true, w[k]);
+      widen_slice(a.weight.dtype, true, w[k]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) w[k][e] = 1.f;
+    }
+    if (a.zero_centered_weight) {
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) w[k][e] += 1.f;
+    }
+  }
+}
+
+}  // namespace norm_detail
+
 template <int K, int kDt>
 __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const NormArgs a,
                                                                         const NormPlan p) {
@@ -30,23 +59,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const No
   bool valid[K];
   int64_t col[K];
   Slice w[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int v = lane + k * T;
-    valid[k] = v < p.nslices;
-    col[k] = int64_t(v) * kSlice;
-    if (valid[k] && a.weight.present()) {
-      fetch_slice(a.weight.data, a.weight.dtype, col[k], kSlice, true, w[k]);
-      widen_slice(a.weight.dtype, true, w[k]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < kSlice; ++e) w[k][e] = 1.f;
-    }
-    if (a.zero_centered_weight) {
-#pragma unroll
-      for (int e = 0; e < kSlice; ++e) w[k][e] += 1.f;
-    }
-  }
+  thread_columns(a, p, lane, valid, col, w);
 
   // x and residual of row r, still packed: loads only, so the next row's are in flight while
   // this row is reduced and stored.
@@ -149,23 +162,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
   bool valid[K];
   int64_t col[K];
   Slice w[K], dw[K] = {}, db[K] = {};
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int v = at.lane + k * T;
-    valid[k] = v < p.nslices;
-    col[k] = int64_t(v) * kSlice;
-    if (valid[k] && a.weight.present()) {
-      fetch_slice(a.weight.data, a.weight.dtype, col[k], kSlice, true, w[k]);
-      widen_slice(a.weight.dtype, true, w[k]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < kSlice; ++e) w[k][e] = 1.f;
-    }
-    if (a.zero_centered_weight) {
-#pragma unroll
-      for (int e = 0; e < kSlice; ++e) w[k][e] += 1.f;
-    }
-  }
+  thread_columns(a, p, at.lane, valid, col, w);
 
   // Row r's x, dy, dresidual_out (packed) and statistics, loaded a row ahead.
   Slice xs[K], dys[K], dos[K];
