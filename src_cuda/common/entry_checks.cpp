@@ -24,4 +24,8 @@ ssm_status fail_no_cuda() {
   return fail(SSM_ERROR_CUDA, "%s", "libssm was built without CUDA support");
 }
 
+ssm_status fail_cuda_dispatch_without_cuda() {
+  return fail(SSM_ERROR_INTERNAL, "%s", "CUDA tensors reached dispatch in a CPU-only build");
+}
+
 }  // namespace ssm

@@ -21,4 +21,8 @@ ssm_status check_workspace(const void* workspace, size_t workspace_bytes, size_t
 // SSM_ERROR_CUDA for a call whose tensors are on a CUDA device when libssm has no CUDA path.
 ssm_status fail_no_cuda();
 
+// SSM_ERROR_INTERNAL for CUDA tensors that reached an op's dispatch in a build without CUDA:
+// the entry checks should have refused them with fail_no_cuda.
+ssm_status fail_cuda_dispatch_without_cuda();
+
 }  // namespace ssm

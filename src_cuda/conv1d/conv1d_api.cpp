@@ -234,7 +234,7 @@ ssm_status backward(const ssm_causal_conv1d_params* params, const DLTensor* x,
   return conv1d_bwd_cuda(a, c.ck.device_id(), workspace, stream);
 #else
   (void)stream;
-  return fail(SSM_ERROR_INTERNAL, "CUDA tensors reached dispatch in a CPU-only build");
+  return fail_cuda_dispatch_without_cuda();
 #endif
 }
 

@@ -174,11 +174,7 @@ __device__ __forceinline__ void bwd_chan(const Conv1dArgs& a, const ChanPlan& p)
   }
 
   if (p.partial == nullptr) return;
-  float* out = p.partial + ((b * p.nchunks + at.chunk) * a.dim + c) * (W + 1);
-#pragma unroll
-  for (int k = 0; k < kTaps; ++k)
-    if (k >= kTaps - W) out[k - (kTaps - W)] = dw[k];
-  out[W] = db;
+  write_tap_partials(p.partial + ((b * p.nchunks + at.chunk) * a.dim + c) * (W + 1), dw, db, W);
 }
 
 }  // namespace conv1d_detail

@@ -251,6 +251,17 @@ __device__ __forceinline__ void write_final_states(const Conv1dArgs& a, int64_t 
   }
 }
 
+// A unit's dweight (its W live taps of the kTaps-wide kernel) and dbias sums, written as one
+// partial row of W + 1 floats at `out`; the fixed-order reduce adds the rows up.
+template <int kTaps>
+__device__ __forceinline__ void write_tap_partials(float* out, const float (&dw)[kTaps], float db,
+                                                   int W) {
+#pragma unroll
+  for (int k = 0; k < kTaps; ++k)
+    if (k >= kTaps - W) out[k - (kTaps - W)] = dw[k];
+  out[W] = db;
+}
+
 }  // namespace conv1d_detail
 
 // Launches `masked` (the kernel for packed sequences) when seq_idx is given, else `plain`, with

@@ -345,11 +345,7 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
   }
   if (at.lane != 0 || !at.unit_ok) return;
   const int64_t chunk = at.first_slice / p.chunk_slices;
-  float* out = p.partial + ((at.b * p.nchunks + chunk) * a.dim + at.c) * (W + 1);
-#pragma unroll
-  for (int k = 0; k < kTaps; ++k)
-    if (k >= kTaps - W) out[k - (kTaps - W)] = dw[k];
-  out[W] = db;
+  write_tap_partials(p.partial + ((at.b * p.nchunks + chunk) * a.dim + at.c) * (W + 1), dw, db, W);
 }
 
 }  // namespace conv1d_detail

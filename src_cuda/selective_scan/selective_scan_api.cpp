@@ -227,7 +227,7 @@ ssm_status forward(const ssm_selective_scan_params* params, const DLTensor* u,
   return selective_scan_fwd_cuda(a, c.ck.device_id(), workspace, stream);
 #else
   (void)stream;
-  return fail(SSM_ERROR_INTERNAL, "CUDA tensors reached dispatch in a CPU-only build");
+  return fail_cuda_dispatch_without_cuda();
 #endif
 }
 
@@ -278,7 +278,7 @@ ssm_status backward(const ssm_selective_scan_params* params, const DLTensor* u,
   return selective_scan_bwd_cuda(a, c.ck.device_id(), workspace, stream);
 #else
   (void)stream;
-  return fail(SSM_ERROR_INTERNAL, "CUDA tensors reached dispatch in a CPU-only build");
+  return fail_cuda_dispatch_without_cuda();
 #endif
 }
 
