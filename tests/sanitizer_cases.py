@@ -52,28 +52,37 @@ def run_scan_cases():
               flush=True)
 
 
-NORM_CASES = [  # rows, hidden, group_size, kind, x dtype, weight dtype, z, norm_before_gate, pad
-    (7, 1, 0, "rms", torch.bfloat16, torch.float32, True, False, 0),
-    (33, 7, 1, "layer", torch.float16, torch.float16, True, True, 0),
-    (5, 4097, 241, "rms", torch.float32, torch.float32, True, False, 0),
-    (3, 4097, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 1),
-    (2, 16384, 0, "rms", torch.float16, torch.float32, False, True, 0),
-    (2, 16385, 0, "layer", torch.float32, torch.float32, True, True, 0),
-    (3, 20000, 0, "layer", torch.bfloat16, torch.float32, True, False, 3),
-    (2, 65536, 0, "rms", torch.bfloat16, torch.float32, True, True, 0),
-    (1, 65536, 8192, "layer", torch.float16, torch.float16, True, False, 0),
-    (96, 2048, 8, "rms", torch.bfloat16, torch.float32, True, False, 0),
-    (4096, 1024, 0, "rms", torch.bfloat16, torch.float32, False, True, 8),
-    (1000, 768, 0, "layer", torch.float32, torch.float32, True, True, 5),
+# rows, hidden, group_size, kind, x dtype, weight dtype, z, norm_before_gate, pad, residual dtype.
+# A float32 residual beside 16-bit x takes the general kernels; one dtype for every row and no
+# gate the lean ones, past 4096 columns on thread-block clusters (8200: 3 CTAs, 24584: 7, 40000:
+# 10, 65536: 16).
+NORM_CASES = [
+    (7, 1, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.float32),
+    (33, 7, 1, "layer", torch.float16, torch.float16, True, True, 0, torch.float32),
+    (5, 4097, 241, "rms", torch.float32, torch.float32, True, False, 0, torch.float32),
+    (3, 4097, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 1, torch.float32),
+    (2, 16384, 0, "rms", torch.float16, torch.float32, False, True, 0, torch.float32),
+    (2, 16385, 0, "layer", torch.float32, torch.float32, True, True, 0, torch.float32),
+    (3, 20000, 0, "layer", torch.bfloat16, torch.float32, True, False, 3, torch.float32),
+    (2, 65536, 0, "rms", torch.bfloat16, torch.float32, True, True, 0, torch.float32),
+    (1, 65536, 8192, "layer", torch.float16, torch.float16, True, False, 0, torch.float32),
+    (96, 2048, 8, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.float32),
+    (4096, 1024, 0, "rms", torch.bfloat16, torch.float32, False, True, 8, torch.float32),
+    (1000, 768, 0, "layer", torch.float32, torch.float32, True, True, 5, torch.float32),
+    (9, 4096, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
+    (5, 8200, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
+    (37, 24584, 0, "layer", torch.float16, torch.float16, False, True, 0, torch.float16),
+    (300, 40000, 0, "rms", torch.float32, torch.float32, False, True, 0, torch.float32),
+    (3, 65536, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, torch.bfloat16),
 ]
 
 
 def run_norm_cases():
-    for rows, hidden, group, kind, dtype, wdtype, gated, before, pad in NORM_CASES:
+    for rows, hidden, group, kind, dtype, wdtype, gated, before, pad, rdtype in NORM_CASES:
         def rows_of(dt=dtype):
             # pad > 0: rows sit hidden + pad apart, so neither rows nor vectors line up.
             return torch.randn(rows, hidden + pad, device="cuda", dtype=dt)[:, :hidden]
-        x, residual, dy, dres = rows_of(), rows_of(torch.float32), rows_of(), rows_of()
+        x, residual, dy, dres = rows_of(), rows_of(rdtype), rows_of(), rows_of()
         z = rows_of() if gated else None
         weight = torch.randn(hidden, device="cuda", dtype=wdtype)
         bias = torch.randn(hidden, device="cuda", dtype=wdtype) if kind == "layer" else None

@@ -23,8 +23,18 @@ dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 # slice), 4097 (one column past a power of two: a partial slice, no vector loads), 16384 and
 # 16385 (either side of the largest register-resident row), 20000 and 65536 (re-read slices;
 # 65536 is the limit); group sizes that are tiny (1, 8) or not multiples of 8 (241); rows from
-# 1 to 8192, the latter spreading dweight/dbias over many blocks' partial sums.
-AWKWARD_ROWS = (
+# 1 to 8192, the latter spreading dweight/dbias over many blocks' partial sums. On sm_90 the
+# lean kernels share rows past 4096 columns among the CTAs of a cluster (norm_fast.cuh): 8200
+# (three CTAs, the last one short), 24584 (seven, LayerNorm's two sums), 40000 (ten, 300 rows
+# so each cluster walks many), 65536 (sixteen) and 16384 with no rows (zero dweight).
+CLUSTER_ROWS = (
+    BASE.replace(hidden=8200, lead=(9,), residual=True, prenorm=True),
+    LAYER.replace(hidden=24584, lead=(37,), residual=True, prenorm=True),
+    BASE.replace(hidden=40000, lead=(300,), zero_centered_weight=True),
+    BASE.replace(hidden=65536, lead=(5,), residual=True),
+    LAYER.replace(hidden=16384, lead=(0,)),
+)
+AWKWARD_ROWS = CLUSTER_ROWS + (
     GATED.replace(hidden=1, group_size=0, lead=(5000,)),
     LAYER.replace(hidden=7, residual=True, z=True, lead=(1000,)),
     GATED.replace(hidden=4097, group_size=241, lead=(33,)),
@@ -239,6 +249,7 @@ def test_rows_zero(case, seed):
     (GATED.replace(bias=True, hidden=1024, lead=(8192,)), torch.bfloat16),
     (LAYER.replace(hidden=4097, lead=(3000,), residual=True, z=True), torch.float32),
     (BASE.replace(hidden=20000, lead=(600,), bias=True), torch.float16),
+    (LAYER.replace(hidden=32768, lead=(700,), residual=True), torch.bfloat16),
     (GATED.replace(hidden=7, group_size=1, lead=(50000,), bias=True), torch.float32),
 ], ids=lambda v: case_id(v) if hasattr(v, "label") else DTYPE_IDS[v])
 def test_weight_gradients_bitwise_deterministic(case, dtype, seed):

@@ -1,4 +1,4 @@
-// CUDA error mapping, the cached multiprocessor count and the device guard of cuda_status.h.
+// CUDA error mapping, the cached device facts and the device guard of cuda_status.h.
 #include "cuda_status.h"
 
 #include <atomic>
@@ -23,6 +23,29 @@ int multiprocessor_count(int device) {
     if (device >= 0 && device < 64) cached[device].store(n, std::memory_order_relaxed);
   }
   return n;
+}
+
+namespace {
+// Compiled for the same architectures as every kernel of the library, so the code the device
+// picks for it has the architecture the device picks for the others.
+__global__ void architecture_probe() {}
+}  // namespace
+
+bool cluster_kernels_run(int device) {
+  static std::atomic<int> cached[64];  // 0: not asked yet, 1: no, 2: yes
+  const bool keep = device >= 0 && device < 64;
+  const int known = keep ? cached[device].load(std::memory_order_relaxed) : 0;
+  if (known != 0) return known == 2;
+  cudaFuncAttributes attr;
+  if (cudaFuncGetAttributes(&attr, architecture_probe) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  // ptxVersion is the virtual architecture the code was compiled for (its __CUDA_ARCH__), also
+  // when the driver compiled it from PTX for a newer device.
+  const bool yes = attr.ptxVersion >= 90;
+  if (keep) cached[device].store(yes ? 2 : 1, std::memory_order_relaxed);
+  return yes;
 }
 
 CudaDeviceGuard::CudaDeviceGuard(int device) {

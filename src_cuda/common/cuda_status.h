@@ -16,6 +16,11 @@ ssm_status cuda_status(cudaError_t err, const char* what);
 // The device's multiprocessor count, asked once per device and cached; 0 if the query fails.
 int multiprocessor_count(int device);
 
+// Whether the code the current device runs was compiled for sm_90 or later, so kernels that
+// use thread-block clusters (compiled only there) can launch; asked once per device and cached.
+// The caller makes `device` current (CudaDeviceGuard).
+bool cluster_kernels_run(int device);
+
 // Makes `device` current for the guard's lifetime and restores the previous one after.
 class CudaDeviceGuard {
  public:

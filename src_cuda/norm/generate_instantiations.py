@@ -8,7 +8,10 @@ import pathlib
 # (K, kTail): the tail variant only at the largest K, which serves the longest segments.
 FWD_SLICES = ((1, False), (2, False), (4, False), (4, True))
 BWD_SLICES = ((2, False), (2, True))
-FAST_SLICES = (1, 2)  # the lean forward; no generic-dtype variant
+# The lean forward (K, kCluster): thread-block clusters only at 2 slices, which the segments past
+# one CTA need; the lean backward (kCluster). No generic-dtype variants.
+FAST_FWD = ((1, False), (2, False), (2, True))
+FAST_BWD = (False, True)
 DTYPES = {-1: "generic", 0: "f32", 1: "f16", 2: "bf16"}  # values of ssm::Dtype
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -43,18 +46,22 @@ def main():
                   ["template cudaError_t launch_norm_bwd<%s>(const NormArgs&, const NormPlan&,"
                    " cudaStream_t);" % args,
                    "template int norm_bwd_blocks_per_sm<%s>(int);" % args])
-        for k in FAST_SLICES:
-            if dt < 0:
-                continue
-            write("norm_fwd_fast_k%d_%s.cu" % (k, tag),
-                  "the lean fused-norm forward, %d slice(s) a thread, %s rows." % (k, tag),
-                  ["template cudaError_t launch_norm_fwd_fast<%d, %d>(const NormArgs&, NormPlan&,"
-                   " int, cudaStream_t);" % (k, dt)], header="norm_fast.cuh")
-        if dt >= 0:
-            write("norm_bwd_fast_%s.cu" % tag, "the lean fused-norm backward, %s rows." % tag,
-                  ["template cudaError_t launch_norm_bwd_fast<%d>(const NormArgs&,"
-                   " const NormPlan&, cudaStream_t);" % dt], header="norm_fast.cuh")
-
+        if dt < 0:
+            continue
+        for k, cluster in FAST_FWD:
+            write("norm_fwd_fast_k%d%s_%s.cu" % (k, "_cluster" if cluster else "", tag),
+                  "the lean fused-norm forward, %d slice(s) a thread%s, %s rows."
+                  % (k, ", thread-block clusters" if cluster else "", tag),
+                  ["template cudaError_t launch_norm_fwd_fast<%d, %d, %s>(const NormArgs&,"
+                   " NormPlan&, int, cudaStream_t);" % (k, dt, str(cluster).lower())],
+                  header="norm_fast.cuh")
+        for cluster in FAST_BWD:
+            write("norm_bwd_fast%s_%s.cu" % ("_cluster" if cluster else "", tag),
+                  "the lean fused-norm backward%s, %s rows."
+                  % (", thread-block clusters" if cluster else "", tag),
+                  ["template cudaError_t launch_norm_bwd_fast<%d, %s>(const NormArgs&,"
+                   " NormPlan&, int, cudaStream_t);" % (dt, str(cluster).lower())],
+                  header="norm_fast.cuh")
 
 if __name__ == "__main__":
     main()

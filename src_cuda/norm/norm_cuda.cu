@@ -32,10 +32,16 @@ int pow2_at_least(int64_t n) {
 // 1024 columns, against 60% at 4096 with two).
 int fwd_slices(int nslices) { return nslices <= 128 ? 1 : nslices <= 512 ? 2 : 4; }
 
-NormPlan shape_plan(const NormArgs& a, int K) {
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int slices_of(const NormArgs& a) { return int(ceil_div(a.group_size, kSlice)); }
+
+NormPlan shape_plan(const NormArgs& a, int K, int cluster = 1) {
   NormPlan p;
-  p.nslices = int((a.group_size + kSlice - 1) / kSlice);
-  p.threads = std::min(kNormMaxThreads, pow2_at_least((p.nslices + K - 1) / K));
+  p.nslices = slices_of(a);
+  p.cluster = cluster;
+  p.cta_slices = int(ceil_div(p.nslices, cluster));
+  p.threads = std::min(kNormMaxThreads, pow2_at_least(ceil_div(p.cta_slices, K)));
   p.block = std::max(p.threads, 128);
   return p;
 }
@@ -87,29 +93,48 @@ bool can_vectorize(const NormArgs& a) {
   return aligned(a.weight, false) && aligned(a.bias, false);
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Whether a call can take the lean kernels (norm_fast.cuh): one group, no gate, one dtype for
+// every row-shaped operand, aligned rows.
+bool lean_call(const NormArgs& a, int dt, bool vec) {
+  return dt >= 0 && vec && !a.z.present() && a.ngroups == 1;
+}
+
+// The CTAs of the cluster a lean kernel shares a segment among (norm_plan.h): 1 while one CTA of
+// up to 512 threads holds it (2 slices a thread: 8192 16-bit columns; beyond, its registers
+// would spill); past that, where the device runs cluster kernels, as many CTAs of
+// kClusterThreads as hold it, or of 512 threads when that would take more than kMaxCluster;
+// 0 when the segment needs the general kernels.
+int lean_cluster(int nslices, int device) {
+  constexpr int kPerCta = 2 * kNormMaxThreads, kPerSmallCta = 2 * kClusterThreads;
+  if (nslices <= kPerCta) return 1;
+  if (nslices > kMaxCluster * kPerCta || !cluster_kernels_run(device)) return 0;
+  return int(nslices <= kMaxCluster * kPerSmallCta ? ceil_div(nslices, kPerSmallCta)
+                                                   : ceil_div(nslices, kPerCta));
+}
 
 // The backward's plan and its workspace: per-row-block partial sums of dweight and dbias, made
-// by the row kernel (fused) or by the column kernel when a segment outgrows the registers.
+// by the row kernel (fused) or by the column kernel when a segment outgrows the registers of the
+// general kernel. `cluster` is the lean kernel's (lean_cluster) or 0 for the general kernels.
 struct BwdSetup {
   NormPlan plan;
   bool fused = true;
   int64_t partial_rows = 1;  // row blocks of partial sums
   size_t workspace = 0;
 
-  BwdSetup(const NormArgs& a, int device) {
-    const int nslices = int((a.group_size + kSlice - 1) / kSlice);
-    plan = shape_plan(a, kBwdMaxSlices);
-    fused = nslices <= kBwdMaxSlices * plan.threads;
+  BwdSetup(const NormArgs& a, int device, int cluster) {
+    const int nslices = slices_of(a);
+    plan = shape_plan(a, kBwdMaxSlices, std::max(cluster, 1));
+    fused = cluster > 0 || nslices <= kBwdMaxSlices * plan.threads;
     const int64_t sms = std::max(1, multiprocessor_count(device));
     const int64_t slots = plan.block / plan.threads;
     const int64_t row_blocks_needed = std::max<int64_t>(1, ceil_div(a.rows, slots));
     if (fused) {
-      // Persistent: as many blocks as fit at once, each summing its rows' dweight in registers.
-      // Sized by the generic kernel whatever the dtypes: the size query, which sees only x and
-      // weight, must arrive at the same workspace as the call.
+      // Persistent: as many blocks (clusters) as fit at once, each summing its rows' dweight in
+      // registers. Sized by the generic kernel whatever the dtypes: the size query, which sees
+      // only x and weight, must arrive at the same workspace as the call. A cluster's launcher
+      // may lower it to the clusters that fit.
       const int per_sm = norm_bwd_blocks_per_sm<kBwdMaxSlices, -1, false>(plan.block);
-      plan.row_blocks = std::clamp<int64_t>(ceil_div(per_sm * sms, a.ngroups), 1,
+      plan.row_blocks = std::clamp<int64_t>(ceil_div(per_sm * sms, a.ngroups * plan.cluster), 1,
                                             row_blocks_needed);
       partial_rows = plan.row_blocks;
     } else {
@@ -192,23 +217,28 @@ __global__ void __launch_bounds__(32 * kReduceSplit) norm_reduce_partials_kernel
 
 size_t norm_bwd_cuda_workspace(const NormArgs& a, int device) {
   CudaDeviceGuard guard(device);
-  return BwdSetup(a, device).workspace;
+  // The size query sees only x and weight, so it cannot tell whether the call will take a lean
+  // cluster kernel or the general ones: enough for either.
+  const int cluster = lean_cluster(slices_of(a), device);
+  const size_t general = BwdSetup(a, device, 0).workspace;
+  return cluster > 1 ? std::max(general, BwdSetup(a, device, cluster).workspace) : general;
 }
 
-// The lean forward's slices a thread (norm_fast.cuh), or 0 when the call needs the general
-// kernel: a gate, groups, mixed dtypes, unaligned rows, or rows past 8192 16-bit columns (two
-// slices of 512 threads: beyond, the registers it keeps would spill).
-int fast_fwd_slices(const NormArgs& a, int nslices, int dt, bool vec) {
-  if (dt < 0 || !vec || a.z.present() || a.ngroups != 1) return 0;
-  return nslices <= 128 ? 1 : nslices <= 2 * kNormMaxThreads ? 2 : 0;
-}
-
-template <int K>
-cudaError_t fast_by_dtype(int dt, const NormArgs& a, NormPlan& p, int sms, cudaStream_t s) {
+template <int K, bool kCluster>
+cudaError_t fast_fwd_by_dtype(int dt, const NormArgs& a, NormPlan& p, int sms, cudaStream_t s) {
   switch (dt) {
-    case int(Dtype::F32): return launch_norm_fwd_fast<K, int(Dtype::F32)>(a, p, sms, s);
-    case int(Dtype::F16): return launch_norm_fwd_fast<K, int(Dtype::F16)>(a, p, sms, s);
-    default: return launch_norm_fwd_fast<K, int(Dtype::BF16)>(a, p, sms, s);
+    case int(Dtype::F32): return launch_norm_fwd_fast<K, int(Dtype::F32), kCluster>(a, p, sms, s);
+    case int(Dtype::F16): return launch_norm_fwd_fast<K, int(Dtype::F16), kCluster>(a, p, sms, s);
+    default: return launch_norm_fwd_fast<K, int(Dtype::BF16), kCluster>(a, p, sms, s);
+  }
+}
+
+template <bool kCluster>
+cudaError_t fast_bwd_by_dtype(int dt, const NormArgs& a, NormPlan& p, int sms, cudaStream_t s) {
+  switch (dt) {
+    case int(Dtype::F32): return launch_norm_bwd_fast<int(Dtype::F32), kCluster>(a, p, sms, s);
+    case int(Dtype::F16): return launch_norm_bwd_fast<int(Dtype::F16), kCluster>(a, p, sms, s);
+    default: return launch_norm_bwd_fast<int(Dtype::BF16), kCluster>(a, p, sms, s);
   }
 }
 
@@ -217,17 +247,20 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   if (guard.status() != SSM_SUCCESS) return guard.status();
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (a.rows == 0) return SSM_SUCCESS;
-  const int nslices = int((a.group_size + kSlice - 1) / kSlice);
+  const int nslices = slices_of(a);
   const int dt = common_row_dtype(a);
-  const int fast = fast_fwd_slices(a, nslices, dt, can_vectorize(a));
-  if (fast > 0) {
-    NormPlan p = shape_plan(a, fast);
+  const int cluster = lean_call(a, dt, can_vectorize(a)) ? lean_cluster(nslices, device) : 0;
+  if (cluster > 0) {
+    const int K = nslices <= 128 ? 1 : 2;
+    NormPlan p = shape_plan(a, K, cluster);
     p.block = std::max(p.threads, 256);
     p.row_blocks = ceil_div(a.rows, p.block / p.threads);
     const int sms = std::max(1, multiprocessor_count(device));
-    return cuda_status(fast == 1 ? fast_by_dtype<1>(dt, a, p, sms, s)
-                                 : fast_by_dtype<2>(dt, a, p, sms, s),
-                       "norm_fwd launch");
+    const cudaError_t err = K == 1        ? fast_fwd_by_dtype<1, false>(dt, a, p, sms, s)
+                            : cluster > 1 ? fast_fwd_by_dtype<2, true>(dt, a, p, sms, s)
+                                          : fast_fwd_by_dtype<2, false>(dt, a, p, sms, s);
+    // Otherwise not one cluster fits on this device: the general kernels below.
+    if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
   }
   const int K = fwd_slices(nslices);
   NormPlan p = shape_plan(a, K);
@@ -245,24 +278,38 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   CudaDeviceGuard guard(device);
   if (guard.status() != SSM_SUCCESS) return guard.status();
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  BwdSetup setup(a, device);
-  NormPlan& p = setup.plan;
-  p.vec = can_vectorize(a);
+  const int dt = common_row_dtype(a);
+  const bool vec = can_vectorize(a);
+  int cluster = lean_call(a, dt, vec) ? lean_cluster(slices_of(a), device) : 0;
   const bool sums = a.dweight.present() || a.dbias.present();
   float* partial = static_cast<float*>(workspace);
-  if (setup.fused && sums) p.partial = partial;
+  BwdSetup setup(a, device, cluster);
+  NormPlan& p = setup.plan;
+  auto prepare = [&] {
+    p.vec = vec;
+    if (setup.fused && sums) p.partial = partial;
+  };
+  prepare();
 
   cudaError_t err = cudaSuccess;
-  const int dt = common_row_dtype(a);
   // The row kernel also runs with no rows when it is the one writing the (zero) partial sums.
   if (a.rows > 0 || p.partial != nullptr) {
-    if (setup.fused && dt >= 0 && p.vec && !a.z.present() && a.ngroups == 1)
-      err = dt == int(Dtype::F32)   ? launch_norm_bwd_fast<int(Dtype::F32)>(a, p, s)
-            : dt == int(Dtype::F16) ? launch_norm_bwd_fast<int(Dtype::F16)>(a, p, s)
-                                    : launch_norm_bwd_fast<int(Dtype::BF16)>(a, p, s);
-    else
+    const int sms = std::max(1, multiprocessor_count(device));
+    if (cluster > 0) {
+      err = cluster > 1 ? fast_bwd_by_dtype<true>(dt, a, p, sms, s)
+                        : fast_bwd_by_dtype<false>(dt, a, p, sms, s);
+      setup.partial_rows = p.row_blocks;  // as the launcher lowered it
+      if (err == cudaErrorInvalidClusterSize) {
+        // Not one cluster fits on this device: the general kernels (the workspace covers both).
+        cluster = 0;
+        setup = BwdSetup(a, device, 0);
+        prepare();
+      }
+    }
+    if (cluster == 0) {
       err = setup.fused ? bwd_by_dtype<kBwdMaxSlices, false>(dt, a, p, s)
                         : bwd_by_dtype<kBwdMaxSlices, true>(dt, a, p, s);
+    }
   }
   if (err == cudaSuccess && sums && !setup.fused) {
     const dim3 grid(unsigned(ceil_div(a.ngroups * p.nslices, kColumnThreads)),

@@ -46,17 +46,24 @@ __device__ __forceinline__ void segment_sum(float (&v)[M], int threads, float* r
   }
 }
 
-// Where a thread's work lies: its segment lane and slot, and the group of its block.
+// Where a thread's work lies: its segment lane and slot, the group of its block and, when the
+// CTAs of a cluster share each segment (`shared`, a compile-time constant in every caller, so
+// the others keep none of this arithmetic), the block's share of it: consecutive slices from
+// `first`, `limit` of them in the segment.
 struct Place {
-  int lane, slot, slots;
-  int64_t group, row_block, col0;  // col0: first column of the group
-  __device__ Place(const NormArgs& a, const NormPlan& p) {
+  int lane, slot, slots, first, limit;
+  int64_t group, row_block, col0;  // col0: first column of the block's share
+  __device__ __forceinline__ Place(const NormArgs& a, const NormPlan& p, bool shared = false) {
     lane = threadIdx.x & (p.threads - 1);
     slot = threadIdx.x / p.threads;
     slots = blockDim.x / p.threads;
-    group = blockIdx.x % a.ngroups;
-    row_block = blockIdx.x / a.ngroups;
-    col0 = group * a.group_size;
+    // A 1-D cluster's CTAs are consecutive blocks, rank = blockIdx.x % cluster.
+    const int64_t unit = shared ? blockIdx.x / p.cluster : blockIdx.x;
+    first = shared ? int(blockIdx.x % p.cluster) * p.cta_slices : 0;
+    limit = shared ? min(p.cta_slices, p.nslices - first) : p.nslices;
+    group = unit % a.ngroups;
+    row_block = unit / a.ngroups;
+    col0 = group * a.group_size + int64_t(first) * kSlice;
   }
 };
 
@@ -88,8 +95,8 @@ __device__ __forceinline__ void write_partial_sums(const NormArgs& a, const Norm
       for (int e = 0; e < kSlice; ++e) slot_sums[threadIdx.x * kSlice + e] = mine[e];
       __syncthreads();
     }
-    if (at.slot == 0 && v < p.nslices) {
-      const int64_t left = a.group_size - int64_t(v) * kSlice;
+    if (at.slot == 0 && v < at.limit) {
+      const int64_t left = a.group_size - int64_t(at.first + v) * kSlice;
       const int n = int(left < kSlice ? left : kSlice);
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {

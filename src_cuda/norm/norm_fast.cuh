@@ -1,12 +1,18 @@
 // The lean forward and backward for the calls most models make: one group, no gate, every
-// row-shaped operand of one dtype and 16-byte aligned, at most 2 slices a thread of a 512-thread
-// segment (8192 16-bit columns). The general kernels (norm_kernels.cuh) spend about 49
-// instructions an element on their run-time options, re-checked slice by slice, and issue for
-// 60% of the cycles (ncu, 4096 bf16 columns), so they cannot reach the bandwidth. These decide
-// the options once a row, keep the weight in registers for the whole walk down the rows (a
-// thread's columns never change), and load the next row while they reduce and store this one.
-// Included only by the instantiation files, one (K, kDt) per file.
+// row-shaped operand of one dtype and 16-byte aligned. The general kernels (norm_kernels.cuh)
+// spend about 49 instructions an element on their run-time options, re-checked slice by slice,
+// and issue for 60% of the cycles (ncu, 4096 bf16 columns), so they cannot reach the bandwidth.
+// These decide the options once a row, keep the weight in registers for the whole walk down the
+// rows (a thread's columns never change), and load the next row while they reduce and store this
+// one. A CTA of up to 512 threads keeps 2 slices a thread (8192 16-bit columns); longer
+// segments, up to 65536 columns, are shared by the CTAs of a thread-block cluster (kCluster,
+// sm_90 and later; norm_plan.h) that add their partial sums through distributed shared memory,
+// so every row is still read from DRAM once. Included only by the instantiation files.
 #pragma once
+
+#include <cooperative_groups.h>
+
+#include <algorithm>
 
 #include "norm_device.cuh"
 #include "norm_plan.h"
@@ -15,17 +21,18 @@ namespace ssm {
 
 namespace norm_detail {
 
-// A thread's K slices (lane + k * threads): whether each lies in the row, its first column, and
-// its scale w (weight, + 1 when zero-centred, or 1), kept for the whole walk down the rows.
+// A thread's K slices (lane + k * threads of its block's share): whether each lies in the row,
+// its first column, and its scale w (weight, + 1 when zero-centred, or 1), kept for the whole
+// walk down the rows.
 template <int K>
-__device__ __forceinline__ void thread_columns(const NormArgs& a, const NormPlan& p, int lane,
-                                               bool (&valid)[K], int64_t (&col)[K],
-                                               Slice (&w)[K]) {
+__device__ __forceinline__ void thread_columns(const NormArgs& a, const NormPlan& p,
+                                               const Place& at, bool (&valid)[K],
+                                               int64_t (&col)[K], Slice (&w)[K]) {
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const int v = lane + k * p.threads;
-    valid[k] = v < p.nslices;
-    col[k] = int64_t(v) * kSlice;
+    const int v = at.lane + k * p.threads;
+    valid[k] = v < at.limit;
+    col[k] = int64_t(at.first + v) * kSlice;  // one group: at.col0 without its group term
     if (valid[k] && a.weight.present()) {
       fetch_slice(a.weight.data, a.weight.dtype, col[k], kSlice, true, w[k]);
       widen_slice(a.weight.dtype, true, w[k]);
@@ -40,26 +47,67 @@ __device__ __forceinline__ void thread_columns(const NormArgs& a, const NormPlan
   }
 }
 
+// With kCluster, adds the M block totals of the cluster's CTAs (each CTA's thread 0 leaves its
+// own in `mine`), in rank order through a butterfly over 8 lanes: every thread of every CTA gets
+// the same bits. The cluster barrier between the write and the reads also means that when a CTA
+// writes `mine` again two calls later, every CTA has read this call's: callers alternate two.
+template <bool kCluster, int M>
+__device__ __forceinline__ void cluster_sum(float (&v)[M], float (&mine)[M], int ranks) {
+  if constexpr (kCluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static_assert(kMaxCluster <= 8, "the butterfly below spans 8 lanes");
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int i = 0; i < M; ++i) mine[i] = v[i];
+    }
+    __cluster_barrier_arrive();
+    __cluster_barrier_wait();
+    const int lane = threadIdx.x & 31;
+    const float* theirs = cooperative_groups::this_cluster().map_shared_rank(&mine[0], lane & 7);
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      float t = lane < ranks ? theirs[i] : 0.f;
+#pragma unroll
+      for (int o = 1; o < 8; o <<= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+      v[i] = __shfl_sync(0xffffffffu, t, 0);
+    }
+#endif
+  }
+}
+
+// With kCluster, keeps the block's shared memory alive until every CTA of the cluster is done
+// reading it.
+template <bool kCluster>
+__device__ __forceinline__ void cluster_done() {
+  if constexpr (kCluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    __cluster_barrier_arrive();
+    __cluster_barrier_wait();
+#endif
+  }
+}
+
 }  // namespace norm_detail
 
-template <int K, int kDt>
+template <int K, int kDt, bool kCluster>
 __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const NormArgs a,
                                                                         const NormPlan p) {
   using namespace norm_detail;
   constexpr Dtype D = Dtype(kDt);
-  // Two buffers used in turn: one barrier a reduction (segment_sum with red_free).
+  // Two buffers used in turn: one barrier a reduction (segment_sum with red_free, cluster_sum).
   __shared__ float red[2][kNormMaxThreads / 32];
+  __shared__ float totals[2][1];
+  const Place at(a, p, kCluster);
   const int T = p.threads;
-  const int lane = threadIdx.x & (T - 1);
-  const int slots = blockDim.x / T;
-  const int64_t step = int64_t(gridDim.x) * slots;
+  const int slots = at.slots;
+  const int64_t step = int64_t(kCluster ? gridDim.x / p.cluster : gridDim.x) * slots;
   const float inv_len = 1.f / float(a.hidden);
   const bool residual = a.residual.present();
 
   bool valid[K];
   int64_t col[K];
   Slice w[K];
-  thread_columns(a, p, lane, valid, col, w);
+  thread_columns(a, p, at, valid, col, w);
 
   // x and residual of row r, still packed: loads only, so the next row's are in flight while
   // this row is reduced and stored.
@@ -74,11 +122,12 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const No
     }
   };
 
-  int64_t r = int64_t(blockIdx.x) * slots + threadIdx.x / T;
+  int64_t r = at.row_block * slots + at.slot;
   fetch(r);
   int phase = 0;
-  // Every thread of the block runs the same number of iterations: segment_sum synchronises.
-  for (int64_t base = int64_t(blockIdx.x) * slots; base < a.rows; base += step, r += step) {
+  // Every thread of the block (of the cluster) runs the same number of iterations: segment_sum
+  // and cluster_sum synchronise.
+  for (int64_t base = at.row_block * slots; base < a.rows; base += step, r += step) {
     Slice g[K], t[K];
 #pragma unroll
     for (int k = 0; k < K; ++k)
@@ -106,6 +155,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const No
       for (int e = 0; e < kSlice; ++e) acc[0] += a.layer_norm ? g[k][e] : g[k][e] * g[k][e];
     }
     segment_sum(acc, T, red[phase], true);
+    cluster_sum<kCluster>(acc, totals[phase], p.cluster);
     phase ^= 1;
     float mean = 0.f, var = acc[0] * inv_len;
     if (a.layer_norm) {
@@ -119,12 +169,13 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const No
           dev[0] += valid[k] ? d * d : 0.f;
         }
       segment_sum(dev, T, red[phase], true);
+      cluster_sum<kCluster>(dev, totals[phase], p.cluster);
       phase ^= 1;
       var = dev[0] * inv_len;
     }
     const float rstd = rsqrtf(var + a.eps);
     if (!row_ok) continue;
-    if (lane == 0) {
+    if (at.lane == 0 && at.first == 0) {
       if (a.mean.present()) store_stat(a.mean, r, 0, mean);
       if (a.rstd.present()) store_stat(a.rstd, r, 0, rstd);
     }
@@ -142,27 +193,29 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const No
       store_slice(a.y.data, D, r * a.y.stride[0] + col[k], kSlice, true, g[k]);
     }
   }
+  cluster_done<kCluster>();
 }
 
 // The backward's lean kernel: the terms of norm_bwd_kernel without a gate, with dweight and dbias
 // summed in registers over the rows a thread visits (the plan is the fused one of norm_cuda.cu).
-template <int kDt>
+template <int kDt, bool kCluster>
 __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const NormArgs a,
                                                                         const NormPlan p) {
   using namespace norm_detail;
   constexpr int K = kFastBwdSlices;
   constexpr Dtype D = Dtype(kDt);
   __shared__ float red[2][kNormMaxThreads / 32 * 2];
-  const Place at(a, p);
+  __shared__ float totals[2][2];
+  const Place at(a, p, kCluster);
   const int T = p.threads;
-  const int64_t step = int64_t(gridDim.x) * at.slots;
+  const int64_t step = int64_t(kCluster ? gridDim.x / p.cluster : gridDim.x) * at.slots;
   const float inv_len = 1.f / float(a.hidden);
   const bool dres_in = a.dresidual_out.present();
 
   bool valid[K];
   int64_t col[K];
   Slice w[K], dw[K] = {}, db[K] = {};
-  thread_columns(a, p, at.lane, valid, col, w);
+  thread_columns(a, p, at, valid, col, w);
 
   // Row r's x, dy, dresidual_out (packed) and statistics, loaded a row ahead.
   Slice xs[K], dys[K], dos[K];
@@ -182,11 +235,12 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
     }
   };
 
-  int64_t r = int64_t(blockIdx.x) * at.slots + at.slot;
+  int64_t r = at.row_block * at.slots + at.slot;
   fetch(r);
   int phase = 0;
-  // Every thread of the block runs the same number of iterations: segment_sum synchronises.
-  for (int64_t base = int64_t(blockIdx.x) * at.slots; base < a.rows; base += step, r += step) {
+  // Every thread of the block (of the cluster) runs the same number of iterations: segment_sum
+  // and cluster_sum synchronise.
+  for (int64_t base = at.row_block * at.slots; base < a.rows; base += step, r += step) {
     Slice xhat[K], dye[K], wdy[K];
 #pragma unroll
     for (int k = 0; k < K; ++k)
@@ -214,6 +268,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
       }
     }
     segment_sum(acc, T, red[phase], true);
+    cluster_sum<kCluster>(acc, totals[phase], p.cluster);
     phase ^= 1;
     const float c1 = acc[0] * inv_len;
     const float c2 = a.layer_norm ? acc[1] * inv_len : 0.f;
@@ -235,24 +290,55 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
     }
   }
   if (p.partial != nullptr) write_partial_sums(a, p, at, dw, db);
+  cluster_done<kCluster>();
 }
 
-template <int K, int kDt>
+// Launches `kernel` on p.row_blocks blocks, or clusters of p.cluster blocks, lowered first to
+// as many as run at once (the kernels walk down the rows persistently).
+template <bool kCluster>
+cudaError_t launch_persistent(void (*kernel)(NormArgs, NormPlan), const NormArgs& a, NormPlan& p,
+                              int sms, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3(unsigned(p.block));
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = unsigned(p.cluster);
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  int fit = 0;
+  cudaError_t err = cudaSuccess;
+  if constexpr (kCluster) {
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    config.gridDim = dim3(unsigned(p.cluster * std::min<int64_t>(p.row_blocks, sms)));
+    err = cudaOccupancyMaxActiveClusters(&fit, kernel, &config);
+    if (err != cudaSuccess || fit == 0) {
+      cudaGetLastError();
+      return cudaErrorInvalidClusterSize;
+    }
+  } else {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, p.block, 0);
+    if (err != cudaSuccess) return err;
+    fit *= sms;
+  }
+  p.row_blocks = std::min<int64_t>(p.row_blocks, std::max(fit, 1));
+  config.gridDim = dim3(unsigned(p.row_blocks * p.cluster));
+  return cudaLaunchKernelEx(&config, kernel, a, p);
+}
+
+template <int K, int kDt, bool kCluster>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
-  int per_sm = 0;
-  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, norm_fwd_fast_kernel<K, kDt>, p.block, 0);
-  if (err != cudaSuccess) return err;
-  // Persistent: as many blocks as run at once, at most one per `slots` rows.
-  p.row_blocks = std::min<int64_t>(p.row_blocks, int64_t(std::max(per_sm, 1)) * sms);
-  norm_fwd_fast_kernel<K, kDt><<<unsigned(p.row_blocks), p.block, 0, stream>>>(a, p);
-  return cudaGetLastError();
+  return launch_persistent<kCluster>(norm_fwd_fast_kernel<K, kDt, kCluster>, a, p, sms, stream);
 }
 
-template <int kDt>
-cudaError_t launch_norm_bwd_fast(const NormArgs& a, const NormPlan& p, cudaStream_t stream) {
-  norm_bwd_fast_kernel<kDt><<<unsigned(p.row_blocks), p.block, 0, stream>>>(a, p);
-  return cudaGetLastError();
+template <int kDt, bool kCluster>
+cudaError_t launch_norm_bwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
+  if constexpr (kCluster) {
+    return launch_persistent<true>(norm_bwd_fast_kernel<kDt, true>, a, p, sms, stream);
+  } else {
+    norm_bwd_fast_kernel<kDt, false><<<unsigned(p.row_blocks), p.block, 0, stream>>>(a, p);
+    return cudaGetLastError();
+  }
 }
 
 }  // namespace ssm

@@ -25,6 +25,10 @@ struct NormPlan {
   int block = 128;            // threads per block
   int64_t row_blocks = 1;     // blocks along the rows of each group; grid = row_blocks * ngroups
   int nslices = 1;            // ceil(group_size / 8)
+  int cluster = 1;            // CTAs of one thread-block cluster sharing each segment (the lean
+                              // kernels past 8192 16-bit columns); row_blocks counts clusters
+  int cta_slices = 1;         // consecutive slices of a segment each of those CTAs takes
+                              // (nslices when cluster == 1)
   bool vec = false;           // every row-shaped operand is 16-byte aligned and group_size % 8 == 0
   float* partial = nullptr;   // backward: (row_blocks, hidden) dweight then dbias partial sums,
                               // or nullptr when neither is wanted or the column kernel sums them
@@ -41,14 +45,26 @@ cudaError_t launch_norm_fwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 template <int K, int kDt, bool kTail>
 cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t stream);
 
-// The lean forward (norm_fast.cuh) for kDt >= 0; it lowers p.row_blocks to the blocks that fit
-// on `sms` multiprocessors at once.
-template <int K, int kDt>
+// The lean kernels (norm_fast.cuh) for kDt >= 0. kCluster: a segment is shared by the
+// p.cluster CTAs of a thread-block cluster (sm_90 and later), p.cta_slices slices each, that add
+// their partial sums through distributed shared memory; without it one CTA holds a segment.
+// The forward's launcher lowers p.row_blocks to the blocks (clusters) that run at once, and so
+// does the backward's with kCluster (without, the fused plan has sized it): the backward's
+// partial sums have p.row_blocks rows. With kCluster they return cudaErrorInvalidClusterSize,
+// launching nothing, when not one cluster of p.cluster CTAs fits on the device.
+template <int K, int kDt, bool kCluster>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
-// The lean backward, on the fused backward's plan (kFastBwdSlices slices a thread, one group).
+// The lean backward keeps kFastBwdSlices slices a thread, like the fused general one.
 constexpr int kFastBwdSlices = 2;
-template <int kDt>
-cudaError_t launch_norm_bwd_fast(const NormArgs& a, const NormPlan& p, cudaStream_t stream);
+template <int kDt, bool kCluster>
+cudaError_t launch_norm_bwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
+// The lean kernels' clusters: up to 8 CTAs (the portable cluster size), 2 slices a thread, of
+// 256 threads while 8 of those hold the segment (32768 16-bit columns), of 512 beyond. One H200,
+// bf16 (TB/s forward / backward): 256 threads beat 512 at 16384 and 32768 columns (2.81 / 1.71
+// against 2.66 / 1.63 at 16384), but not below: at 8192 one 512-thread CTA without a cluster
+// (3.87 / 2.51) beats two clustered ones (3.05 / 1.84), whose barriers cost more than they save.
+constexpr int kMaxCluster = 8;
+constexpr int kClusterThreads = 256;
 
 // How many blocks of `block` threads of the backward kernel fit on one SM.
 template <int K, int kDt, bool kTail>
