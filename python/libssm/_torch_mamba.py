@@ -214,9 +214,16 @@ class Mamba(nn.Module):
             # The last d_conv inputs, zero-padded on the left when the prompt is shorter.
             conv_state.copy_(F.pad(xz[:, :self.d_inner], (self.d_conv - seqlen, 0)))
         A = -torch.exp(self.A_log.float())
-        args = (xz, self._conv_weight(), self.conv1d.bias, self.x_proj.weight,
-                self.dt_proj.weight, self.out_proj.weight, self.out_proj.bias, A, self.D.float(),
-                self.dt_proj.bias.float())
+        proj = (self.x_proj.weight, self.dt_proj.weight, self.out_proj.weight,
+                self.out_proj.bias)
+        if torch.is_autocast_enabled(xz.device.type):
+            # Autocast does not reach into the function's backward, whose matmuls then meet
+            # float32 weights and the autocast dtype's gradients: the casts are made here,
+            # differentiable, as autocast makes them for the composed path's matmuls.
+            dtype = torch.get_autocast_dtype(xz.device.type)
+            proj = tuple(None if w is None else w.to(dtype) for w in proj)
+        args = (xz, self._conv_weight(), self.conv1d.bias, *proj, A,
+                self.D.float(), self.dt_proj.bias.float())
         route = _direct.path(args)
         if route is _direct.DIRECT:
             return _inner_fwd(*args, ssm_state)[0]
