@@ -157,6 +157,63 @@ def test_mixer_forward_and_gradients_match_reference(case, seed):
                             torch.float32)
 
 
+def test_prompt_with_gradient_matches_reference(seed):
+    """A prompt that fills a decode cache with autograd on takes the composition of the ops
+    (whose scan keeps the last state's gradient), not the fused training function: its output
+    and gradients are the reference's all the same."""
+    case = MixerCase(seqlen=10)
+    mixer = make_mixer(case, seed, layer_idx=0)
+
+    def run(module, leaves):
+        params = ssm_torch.InferenceParams(max_seqlen=10, max_batch_size=case.batch)
+        return module(leaves[0], inference_params=params)
+
+    check_against_reference(mixer, run, mixer_reference, [mixer_input(case, seed)],
+                            torch.float32)
+
+
+def test_mixer_trains_under_autocast(seed):
+    """float32 weights under torch.autocast(bfloat16), as the demo trains: the projections run
+    in bfloat16 in the backward too, and every gradient comes back float32, near the float32
+    run's."""
+    case = MixerCase(batch=2, seqlen=16)
+    runs = []
+    for enabled in (False, True):
+        mixer = make_mixer(case, seed)
+        x = mixer_input(case, seed).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            out = mixer(x)
+        out.float().square().sum().backward()
+        runs.append([x.grad] + [p.grad for p in mixer.parameters()])
+    for want, got in zip(*runs):
+        assert got.dtype == torch.float32
+        assert (got - want).norm() <= 5e-2 * want.norm()
+
+
+def test_training_forward_keeps_xz_x_dbl_and_the_gated_output(seed):
+    """What a training forward keeps for the backward, beyond the weights: in_proj's input,
+    xz, x_proj's output and the gated scan output, as mamba_ssm's mamba_inner_fn; the conv
+    output and dt are recomputed in the backward. Sizes are in elements of batch * seqlen
+    rows (37 is prime: no weight's size is a multiple of it)."""
+    case = MixerCase(batch=3, seqlen=37)
+    mixer = make_mixer(case, seed)
+    x = mixer_input(case, seed).requires_grad_()
+    rows = case.batch * case.seqlen
+    kept = {}
+
+    def pack(t):
+        if t.numel() % rows == 0:
+            kept[(t.data_ptr(), t.numel())] = t.numel() // rows
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = mixer(x)
+    d_inner, width = mixer.d_inner, mixer.dt_rank + 2 * mixer.d_state
+    assert sorted(kept.values()) == sorted([case.d_model, 2 * d_inner, width, d_inner])
+    out.sum().backward()
+    assert x.grad is not None
+
+
 @pytest.mark.parametrize("config", [dict(), dict(fused_add_norm=False),
                                     dict(rms_norm=False, residual_in_fp32=False)],
                          ids=["fused-rms", "unfused-rms", "fused-layernorm"])

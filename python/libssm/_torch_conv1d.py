@@ -57,14 +57,15 @@ def fwd(x, weight, bias, seq_idx, initial_states, return_final_states, silu, out
     return out, final
 
 
-def bwd(x, weight, bias, seq_idx, initial_states, dout, dfinal_states, silu, needs):
+def bwd(x, weight, bias, seq_idx, initial_states, dout, dfinal_states, silu, needs,
+        dx_out=None):
     """(dx, dweight, dbias, dinitial_states), None where needs (4 bools) leaves one out; dx in
-    x's layout."""
+    x's layout, or written into dx_out when given (a caller's slice of a larger gradient)."""
     need_dx, need_dweight, need_dbias, need_dinit = needs
     st = _direct.state()
     slots = st.slots
     keep, params = _conv1d.params(st.library, silu)
-    dx = _empty_like(x) if need_dx else None
+    dx = (dx_out if dx_out is not None else _empty_like(x)) if need_dx else None
     dweight = _empty_like(weight, memory_format=_contiguous) if need_dweight else None
     dbias = _empty_like(bias, memory_format=_contiguous) if need_dbias else None
     dinit = _empty_like(initial_states, memory_format=_contiguous) if need_dinit else None

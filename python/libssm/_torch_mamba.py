@@ -2,7 +2,17 @@
 constructor arguments, parameter names, shapes and initialisation, so a mamba_ssm state_dict
 loads unchanged. The projections are torch matmuls; the causal conv1d, the selective scan (with
 the z gate, dt bias and softplus), and the decode step's conv update and state update are
-libssm's kernels, through the torch adapters of their families."""
+libssm's kernels, through the torch adapters of their families.
+
+Activations along the sequence are kept channel-major: a (batch, channels, seqlen) tensor laid out
+as (channels, batch, seqlen), as in_proj's one matmul leaves x and z. The conv and the scan read
+and write it along seqlen, and its transpose is a (batch * seqlen, channels) matrix view that
+x_proj, out_proj and their gradients multiply with no copy (the contiguous layout needs a
+transposing copy for each, ~0.1 ms a layer at batch 16). Between the two projections the mixer is
+one autograd function which, as mamba_ssm's mamba_inner_fn, keeps only xz, x_proj's output and
+the gated scan output for the backward, recomputes the conv output and dt there, and writes the
+gradients of x and z into one buffer, where the composition of the ops kept the conv output, dt
+and a copy of the scan output, and concatenated dx and dz."""
 
 import math
 
@@ -10,11 +20,113 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _torch_conv1d as _conv1d
+from . import _torch_direct as _direct
+from . import _torch_scan as _scan
 from ._torch_conv1d import causal_conv1d_fn, causal_conv1d_update
 from ._torch_scan import selective_scan
 from ._torch_state_update import selective_state_update
 
 __all__ = ["Mamba"]
+
+
+def _channel_major(batch, channels, seqlen, like):
+    """An uninitialised (batch, channels, seqlen) tensor laid out as (channels, batch, seqlen)."""
+    return torch.empty(channels, batch, seqlen, dtype=like.dtype,
+                       device=like.device).transpose(0, 1)
+
+
+def _rows(t):
+    """(batch, channels, seqlen) -> its (batch * seqlen, channels) matrix: a view of a
+    channel-major t (a copy otherwise)."""
+    return t.transpose(0, 1).reshape(t.shape[1], -1).t()
+
+
+def _scan_inputs(x_dbl, dt_proj_weight, batch, seqlen, d_state):
+    """delta (batch, d_inner, seqlen), channel-major, and B, C (batch, d_state, seqlen) from
+    x_proj's output x_dbl (batch * seqlen, dt_rank + 2 d_state)."""
+    dt_rank = dt_proj_weight.shape[1]
+    delta = (dt_proj_weight @ x_dbl[:, :dt_rank].t()).view(-1, batch, seqlen).transpose(0, 1)
+    B, C = (x_dbl[:, i:i + d_state].view(batch, seqlen, d_state).transpose(1, 2).contiguous()
+            for i in (dt_rank, dt_rank + d_state))
+    return delta, B, C
+
+
+def _inner_fwd(xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, out_proj_weight,
+               out_proj_bias, A, D, delta_bias, ssm_state):
+    """xz (batch, 2 d_inner, seqlen) -> (out (batch, seqlen, d_model), x_dbl, y), where y is the
+    gated scan output (channel-major); ssm_state, when given, receives the last state."""
+    batch, _, seqlen = xz.shape
+    x, z = xz.chunk(2, dim=1)
+    conv_out, _ = _conv1d.fwd(x, conv_weight, conv_bias, None, None, False, True,
+                              out=_channel_major(batch, x.shape[1], seqlen, x))
+    x_dbl = _rows(conv_out) @ x_proj_weight.t()
+    delta, B, C = _scan_inputs(x_dbl, dt_proj_weight, batch, seqlen, A.shape[1])
+    y, last_state = _scan.fwd(conv_out, delta, A, B, C, D, z, delta_bias, None, True,
+                              ssm_state is not None,
+                              out=_channel_major(batch, x.shape[1], seqlen, x))
+    if ssm_state is not None:
+        ssm_state.copy_(last_state)
+    out = F.linear(_rows(y), out_proj_weight, out_proj_bias)
+    return out.view(batch, seqlen, -1), x_dbl, y
+
+
+class _MambaInnerFunction(torch.autograd.Function):
+    """The mixer from xz to out_proj's output, differentiable in xz and every parameter it
+    uses (see the module's docstring for what is kept and recomputed)."""
+
+    @staticmethod
+    def forward(ctx, xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, out_proj_weight,
+                out_proj_bias, A, D, delta_bias):
+        out, x_dbl, y = _inner_fwd(xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                                   out_proj_weight, out_proj_bias, A, D, delta_bias, None)
+        ctx.save_for_backward(xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                              out_proj_weight, A, D, delta_bias, x_dbl, y)
+        ctx.out_proj_bias = out_proj_bias is not None
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        (xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, out_proj_weight, A, D,
+         delta_bias, x_dbl, y) = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        batch, _, seqlen = xz.shape
+        x, z = xz.chunk(2, dim=1)
+        d_inner, dt_rank, d_state = x.shape[1], dt_proj_weight.shape[1], A.shape[1]
+        conv_out, _ = _conv1d.fwd(x, conv_weight, conv_bias, None, None, False, True,
+                                  out=_channel_major(batch, d_inner, seqlen, x))
+        delta, B, C = _scan_inputs(x_dbl, dt_proj_weight, batch, seqlen, d_state)
+
+        dout = dout.reshape(batch * seqlen, -1)
+        dy = (out_proj_weight.t() @ dout.t()).view(d_inner, batch, seqlen).transpose(0, 1)
+        dout_proj_weight = dout.t() @ _rows(y) if needs[5] else None
+        dout_proj_bias = dout.sum(0) if ctx.out_proj_bias and needs[6] else None
+
+        dxz = _channel_major(batch, 2 * d_inner, seqlen, xz)
+        dx, dz = dxz.chunk(2, dim=1)
+        dconv_out = _channel_major(batch, d_inner, seqlen, xz)
+        ddelta = _channel_major(batch, d_inner, seqlen, xz)
+        mask = (True, True, needs[7], True, True, D is not None and needs[8], True,
+                delta_bias is not None and needs[9], False)
+        _, _, dA, dB, dC, dD, _, ddelta_bias, _ = _scan.bwd(
+            conv_out, delta, A, B, C, dy, D, z, delta_bias, None, None, True, mask,
+            out=(dconv_out, ddelta, None, None, None, None, dz, None, None))
+
+        dx_dbl = torch.empty_like(x_dbl)
+        for i, g in ((dt_rank, dB), (dt_rank + d_state, dC)):
+            dx_dbl[:, i:i + d_state].view(batch, seqlen, d_state).copy_(g.transpose(1, 2))
+        ddelta = _rows(ddelta)
+        ddt_proj_weight = ddelta.t() @ x_dbl[:, :dt_rank] if needs[4] else None
+        dx_dbl[:, :dt_rank] = ddelta @ dt_proj_weight
+        dx_proj_weight = dx_dbl.t() @ _rows(conv_out) if needs[3] else None
+        # dconv_out += dx_dbl @ x_proj_weight, in place through the matrix view.
+        _rows(dconv_out).t().addmm_(x_proj_weight.t(), dx_dbl.t())
+        _, dconv_weight, dconv_bias, _ = _conv1d.bwd(
+            x, conv_weight, conv_bias, None, None, dconv_out, None, True,
+            (True, needs[1], conv_bias is not None and needs[2], False), dx_out=dx)
+        return (dxz, dconv_weight, dconv_bias, dx_proj_weight, ddt_proj_weight, dout_proj_weight,
+                dout_proj_bias, dA, dD, ddelta_bias)
 
 
 class Mamba(nn.Module):
@@ -98,10 +210,34 @@ class Mamba(nn.Module):
         xz = xz.view(-1, batch, seqlen).transpose(0, 1)
         if self.in_proj.bias is not None:
             xz = xz + self.in_proj.bias.to(xz.dtype)[:, None]
-        x, z = xz.chunk(2, dim=1)
         if conv_state is not None:
             # The last d_conv inputs, zero-padded on the left when the prompt is shorter.
-            conv_state.copy_(F.pad(x, (self.d_conv - seqlen, 0)))
+            conv_state.copy_(F.pad(xz[:, :self.d_inner], (self.d_conv - seqlen, 0)))
+        A = -torch.exp(self.A_log.float())
+        proj = (self.x_proj.weight, self.dt_proj.weight, self.out_proj.weight,
+                self.out_proj.bias)
+        if torch.is_autocast_enabled(xz.device.type):
+            # Autocast does not reach into the function's backward, whose matmuls then meet
+            # float32 weights and the autocast dtype's gradients: the casts are made here,
+            # differentiable, as autocast makes them for the composed path's matmuls.
+            dtype = torch.get_autocast_dtype(xz.device.type)
+            proj = tuple(None if w is None else w.to(dtype) for w in proj)
+        args = (xz, self._conv_weight(), self.conv1d.bias, *proj, A,
+                self.D.float(), self.dt_proj.bias.float())
+        route = _direct.path(args)
+        if route is _direct.DIRECT:
+            return _inner_fwd(*args, ssm_state)[0]
+        if route is _direct.AUTOGRAD and ssm_state is None:
+            return _MambaInnerFunction.apply(*args)
+        return self._composed_forward(xz, A, ssm_state)
+
+    def _composed_forward(self, xz, A, ssm_state):
+        """The mixer after in_proj as a composition of libssm.torch's ops: the path for
+        torch.compile and tensor subclasses (which the ops' registrations know), and for a
+        gradient through a prompt that fills a decode cache (the scan's last state keeps its
+        gradient)."""
+        batch, _, seqlen = xz.shape
+        x, z = xz.chunk(2, dim=1)
         x = causal_conv1d_fn(x, self._conv_weight(), self.conv1d.bias,
                              activation=self.activation)
 
@@ -110,7 +246,6 @@ class Mamba(nn.Module):
         dt = (self.dt_proj.weight @ dt.t()).view(-1, batch, seqlen).transpose(0, 1)
         B = B.view(batch, seqlen, self.d_state).transpose(1, 2).contiguous()
         C = C.view(batch, seqlen, self.d_state).transpose(1, 2).contiguous()
-        A = -torch.exp(self.A_log.float())
         y = selective_scan(x, dt, A, B, C, self.D.float(), z=z,
                            delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
                            return_last_state=ssm_state is not None)
