@@ -90,6 +90,23 @@ __device__ __forceinline__ void store_raw(void* p, int64_t i, int64_t stride, in
   }
 }
 
+// Asynchronous 16-byte copies from global to shared memory (cp.async, sm_80 on): in flight
+// without holding registers. A group is the copies a thread issued between commits; waiting
+// leaves at most N of its latest groups pending.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
+                   unsigned(__cvta_generic_to_shared(smem))),
+               "l"(global)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Element e of a raw slice as float32.
 template <int kDt>
 __device__ __forceinline__ float element(const Raw<kDt>& r, int e) {
@@ -161,6 +178,13 @@ __device__ __forceinline__ int load_seq_id(const TensorRef& seq_idx, int64_t b, 
 template <int kTaps>
 __device__ __forceinline__ uint32_t width_taps(int W) {
   return ((1u << W) - 1u) << (kTaps - W);
+}
+
+// The tap mask of a kernel body: with kFull (the width fills the kTaps taps) a constant, so the
+// taps' predicates fold away at compile time; otherwise W's taps at the top.
+template <int kTaps, bool kFull>
+__device__ __forceinline__ uint32_t body_taps(int W) {
+  return kFull ? (1u << kTaps) - 1u : width_taps<kTaps>(W);
 }
 
 // The tap mask of the output whose window of ids (positions kTaps-1 back .. the output) is sw.

@@ -32,6 +32,12 @@ constexpr int kConv1dBlock = 128;
 template <int kTaps, bool kMasked>
 constexpr int kConv1dBwdMinBlocks = kMasked ? 1 : kTaps == 4 ? 6 : 5;
 
+// The same for the seq backward, whose loads wait in shared memory (cp.async) rather than in
+// registers, so fewer threads keep as many bytes in flight: 5 (96 registers) at 4 taps and 4
+// (128) at 8 fit it without spilling, where 6 and 5 spilled.
+template <int kTaps, bool kMasked>
+constexpr int kConv1dBwdSeqMinBlocks = kMasked ? 1 : kTaps == 4 ? 5 : 4;
+
 struct SeqPlan {
   int seg = 32;               // lanes a unit, a power of two <= 32
   int iters = 1;              // slices a lane
