@@ -55,8 +55,8 @@ __device__ __forceinline__ void push_halo(const Conv1dArgs& a, const ChanPlace& 
 }
 
 // The forward kernel's body; kMasked: seq_idx is given (without it the taps' predicates are
-// computed once, not at every step); kFull: the width is kTaps, and there are none.
-template <int kDt, int kTaps, bool kMasked, bool kFull>
+// computed once, not at every step).
+template <int kDt, int kTaps, bool kMasked>
 __device__ __forceinline__ void fwd_chan(const Conv1dArgs& a, const ChanPlan& p) {
   const ChanPlace at(a, p);
   if (!at.ok) return;
@@ -64,7 +64,7 @@ __device__ __forceinline__ void fwd_chan(const Conv1dArgs& a, const ChanPlan& p)
   float wt[kTaps];
   load_taps(a.weight, at.c, W, wt);
   const float bias = load_bias(a.bias, at.c);
-  const uint32_t wmask = body_taps<kTaps, kFull>(W);
+  const uint32_t wmask = width_taps<kTaps>(W);
   const int64_t b = at.b, c = at.c;
 
   // Inputs and sequence ids of positions t-(kTaps-1) .. t; first the ones before the chunk.
@@ -181,14 +181,12 @@ __device__ __forceinline__ void bwd_chan(const Conv1dArgs& a, const ChanPlan& p)
 
 // One kernel with packed sequences (kMasked) and one without, so the common case keeps
 // registers for nothing it does not use; the launcher picks by seq_idx. As in the seq kernels,
-// the width that fills the taps gets a body of its own in the kernel without.
+// the backward without gives the width that fills the taps a body of its own (issue-bound, it
+// gained 14%); the forward did not gain from one (its loads, not its taps, bound it).
 template <int kDt, int kTaps, bool kMasked>
 __global__ void __launch_bounds__(kConv1dBlock)
     conv1d_fwd_chan_kernel(const Conv1dArgs a, const ChanPlan p) {
-  if constexpr (!kMasked) {
-    if (a.width == kTaps) return conv1d_detail::fwd_chan<kDt, kTaps, false, true>(a, p);
-  }
-  conv1d_detail::fwd_chan<kDt, kTaps, kMasked, false>(a, p);
+  conv1d_detail::fwd_chan<kDt, kTaps, kMasked>(a, p);
 }
 
 template <int kDt, int kTaps, bool kMasked>
