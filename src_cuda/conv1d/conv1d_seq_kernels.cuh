@@ -406,7 +406,12 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p,
     for (int e = 0; e < kSlice; ++e) {
       const float g = element(gcur, e);
       const uint32_t m = kMasked ? mask_of<kTaps>(tm, e) : wmask;
-      dz[e] = e >= n ? 0.f : a.silu ? g * dsilu(conv_at<kTaps>(xw + e, wt, bias, m)) : g;
+      dz[e] = a.silu ? g * dsilu(conv_at<kTaps>(xw + e, wt, bias, m)) : g;
+    }
+    // One test a slice rather than one an element: a full slice has no position past seqlen.
+    if (n < kSlice) {
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) dz[e] = e < n ? dz[e] : 0.f;
     }
 #pragma unroll
     for (int h = 0; h < kHalo; ++h) {
