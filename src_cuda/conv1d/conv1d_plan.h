@@ -5,8 +5,9 @@
 //    positions; `seg` consecutive lanes (a power of two up to 32) take consecutive slices of one
 //    row, so a warp reads 512 contiguous bytes of bf16 per access, and get the width-1 inputs
 //    before their slice (and, in the backward, the gradients after it) from the neighbouring
-//    lane by a shuffle; the first (last) lane of a segment reads them from memory. A unit is a
-//    chunk of `iters` * `seg` slices of one row, done by one segment, `iters` slices a lane.
+//    lane, or the segment's other end in the previous iteration, by a shuffle (see
+//    conv1d_seq_kernels.cuh). A unit is a chunk of `iters` * `seg` slices of one row, done by
+//    one segment, `iters` slices a lane.
 //  - "chan" (any other strides; coalesced when x is contiguous along dim, channel-last): a
 //    thread walks a chunk of `chunk_len` positions of one (batch, channel) with the last kTaps
 //    inputs in registers; neighbouring threads take neighbouring channels.

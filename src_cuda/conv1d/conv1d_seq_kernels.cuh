@@ -9,8 +9,8 @@
 // initial_states at the row's start). The backward walks its unit downwards, so the gradients
 // after a slice (dz at the next kTaps-1 positions) were made by the lane after it, or, for the
 // segment's last lane, by the first lane in the previous iteration; only the kTaps-1 after the
-// unit are computed again from memory, once a unit. Its first lane loads the inputs before its
-// slice with the next iteration's slices, so no load waits on another.
+// unit are computed again from memory, once a unit. Its loads (x, dout and, for the first lane,
+// the slice before its own) run kBwdStages-1 iterations ahead into shared memory by cp.async.
 #pragma once
 
 #include "conv1d_device.cuh"
