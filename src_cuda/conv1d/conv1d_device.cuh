@@ -90,6 +90,23 @@ __device__ __forceinline__ void store_raw(void* p, int64_t i, int64_t stride, in
   }
 }
 
+// Asynchronous 16-byte copies from global to shared memory (cp.async, sm_80 on): in flight
+// without holding registers. A group is the copies a thread issued between commits; waiting
+// leaves at most N of its latest groups pending.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
+                   unsigned(__cvta_generic_to_shared(smem))),
+               "l"(global)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Element e of a raw slice as float32.
 template <int kDt>
 __device__ __forceinline__ float element(const Raw<kDt>& r, int e) {
@@ -125,10 +142,26 @@ __device__ __forceinline__ float load_x(const void* p, int64_t i) {
   return load_as_float(p, i, Dtype(kDt));
 }
 
-// The fast division (one reciprocal, 2 ulp) instead of an IEEE one, which costs a dozen
-// instructions an element; for z far below 0 the denominator overflows and both give 0.
-__device__ __forceinline__ float sigmoid(float z) { return __fdividef(1.f, 1.f + __expf(-z)); }
-__device__ __forceinline__ float silu(float z) { return __fdividef(z, 1.f + __expf(-z)); }
+// 2^x and 1/x on the special-function unit, flushing subnormals: the non-flushing forms (what
+// __expf and __fdividef compile to without -ftz) add a test and two scalings each, and the
+// kernels are issue-bound. Here they only flush results below 2^-126, where 1 + 2^x is 1 anyway.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The fast reciprocal (2 ulp) instead of an IEEE division, which costs a dozen instructions an
+// element; for z far below 0 the denominator overflows and both give 0.
+__device__ __forceinline__ float sigmoid(float z) {
+  return rcp_ftz(1.f + exp2_ftz(-1.44269504f * z));
+}
+__device__ __forceinline__ float silu(float z) { return z * sigmoid(z); }
 __device__ __forceinline__ float dsilu(float z) {
   const float s = sigmoid(z);
   return s * (1.f + z * (1.f - s));
@@ -161,6 +194,13 @@ __device__ __forceinline__ int load_seq_id(const TensorRef& seq_idx, int64_t b, 
 template <int kTaps>
 __device__ __forceinline__ uint32_t width_taps(int W) {
   return ((1u << W) - 1u) << (kTaps - W);
+}
+
+// The tap mask of a kernel body: with kFull (the width fills the kTaps taps) a constant, so the
+// taps' predicates fold away at compile time; otherwise W's taps at the top.
+template <int kTaps, bool kFull>
+__device__ __forceinline__ uint32_t body_taps(int W) {
+  return kFull ? (1u << kTaps) - 1u : width_taps<kTaps>(W);
 }
 
 // The tap mask of the output whose window of ids (positions kTaps-1 back .. the output) is sw.

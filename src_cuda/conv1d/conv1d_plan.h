@@ -5,8 +5,9 @@
 //    positions; `seg` consecutive lanes (a power of two up to 32) take consecutive slices of one
 //    row, so a warp reads 512 contiguous bytes of bf16 per access, and get the width-1 inputs
 //    before their slice (and, in the backward, the gradients after it) from the neighbouring
-//    lane by a shuffle; the first (last) lane of a segment reads them from memory. A unit is a
-//    chunk of `iters` * `seg` slices of one row, done by one segment, `iters` slices a lane.
+//    lane, or the segment's other end in the previous iteration, by a shuffle (see
+//    conv1d_seq_kernels.cuh). A unit is a chunk of `iters` * `seg` slices of one row, done by
+//    one segment, `iters` slices a lane.
 //  - "chan" (any other strides; coalesced when x is contiguous along dim, channel-last): a
 //    thread walks a chunk of `chunk_len` positions of one (batch, channel) with the last kTaps
 //    inputs in registers; neighbouring threads take neighbouring channels.
@@ -31,6 +32,12 @@ constexpr int kConv1dBlock = 128;
 // need.
 template <int kTaps, bool kMasked>
 constexpr int kConv1dBwdMinBlocks = kMasked ? 1 : kTaps == 4 ? 6 : 5;
+
+// The same for the seq backward, whose loads wait in shared memory (cp.async) rather than in
+// registers, so fewer threads keep as many bytes in flight: 5 (96 registers) at 4 taps and 4
+// (128) at 8 fit it without spilling, where 6 and 5 spilled.
+template <int kTaps, bool kMasked>
+constexpr int kConv1dBwdSeqMinBlocks = kMasked ? 1 : kTaps == 4 ? 5 : 4;
 
 struct SeqPlan {
   int seg = 32;               // lanes a unit, a power of two <= 32

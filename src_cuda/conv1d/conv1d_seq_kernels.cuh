@@ -1,11 +1,16 @@
 // The conv1d kernels for x contiguous along seqlen ("seq", see conv1d_plan.h) and their
 // launchers; included only by the instantiation files, one (kDt, kTaps) per file.
 //
-// A lane owns slice s (positions 8s .. 8s+7) of one row per iteration. The forward needs the
-// kTaps-1 inputs before the slice: the lane before it holds them (a shuffle), the segment's
-// first lane loads them (or takes initial_states at the row's start). The backward also needs
-// the input gradients' sources after the slice, dz at the next kTaps-1 positions: the lane after
-// it computed them (a shuffle), the segment's last lane recomputes them from the next slice.
+// A lane owns slice s (positions 8s .. 8s+7) of one row per iteration, and no lane loads a slice
+// another lane of its segment loads in the same pass: what a slice needs of its neighbours comes
+// by shuffles. The forward walks its unit upwards and needs the kTaps-1 inputs before the slice:
+// the lane before it holds them, and the segment's first lane gets them from the last lane's
+// slice of the previous iteration (only a unit's first iteration loads them, or takes
+// initial_states at the row's start). The backward walks its unit downwards, so the gradients
+// after a slice (dz at the next kTaps-1 positions) were made by the lane after it, or, for the
+// segment's last lane, by the first lane in the previous iteration; only the kTaps-1 after the
+// unit are computed again from memory, once a unit. Its loads (x, dout and, for the first lane,
+// the slice before its own) run kBwdStages-1 iterations ahead into shared memory by cp.async.
 #pragma once
 
 #include "conv1d_device.cuh"
@@ -60,16 +65,6 @@ __device__ __forceinline__ int valid_in_slice(int64_t seqlen, int64_t s) {
   return left <= 0 ? 0 : left < kSlice ? int(left) : kSlice;
 }
 
-// The words of the previous lane's slice that hold its last kTaps-1 elements.
-template <int kDt, int kTaps>
-__device__ __forceinline__ void shuffle_tail_up(const Raw<kDt>& src, int seg, Raw<kDt>& dst) {
-  constexpr int kPerWord = kDt == int(Dtype::F32) ? 1 : 2;
-  constexpr int kFirst = (kSlice - (kTaps - 1)) / kPerWord;
-#pragma unroll
-  for (int i = 0; i < kWords<kDt>; ++i)
-    dst.w[i] = i >= kFirst ? __shfl_up_sync(kFullMask, src.w[i], 1, seg) : 0u;
-}
-
 // xw[0 .. kTaps-2] (positions -(kTaps-1) .. -1) for the slice at a row's start:
 // initial_states where the header defines them, 0 before. One value at a time, shifted in: this
 // runs for one slice a row, and loading them all at once (each with a run-time dtype) would hold
@@ -89,19 +84,37 @@ __device__ __forceinline__ void halo_from_initial_states(const Conv1dArgs& a, in
   }
 }
 
-// x at positions 8s - (kTaps-1) .. 8s + 7 into xw: slice s (`cur`) and, before it, the last
-// kTaps-1 elements of slice s-1, from the previous lane; the segment's first lane loads them, or
-// takes initial_states at the row's start.
+// The words of a slice that hold its last kTaps-1 elements.
 template <int kDt, int kTaps>
-__device__ __forceinline__ void x_window(const Conv1dArgs& a, const SeqPlace& at, const SeqPlan& p,
-                                         const SeqRow& xr, int64_t s, bool ok,
-                                         const Raw<kDt>& cur, float (&xw)[kTaps - 1 + kSlice]) {
-  constexpr int kHalo = kTaps - 1;
-  Raw<kDt> prev;
-  shuffle_tail_up<kDt, kTaps>(cur, p.seg, prev);
-  if (at.lane == 0 && ok && s > 0) fetch(xr, s - 1, kSlice, p.vec, prev);
+constexpr int kTailWord = (kSlice - (kTaps - 1)) / (kDt == int(Dtype::F32) ? 1 : 2);
+
+// The tail of slice s-1 for the forward's upward walk: lanes after the segment's first take it
+// from the previous lane's slice; the first lane takes `carry`, and keeps the last lane's slice
+// (slice s-1 of its next iteration) in it instead. One shuffle a word serves both.
+template <int kDt, int kTaps>
+__device__ __forceinline__ void tail_before(const Raw<kDt>& cur, int lane, int seg,
+                                            Raw<kDt>& carry, Raw<kDt>& before) {
 #pragma unroll
-  for (int h = 0; h < kHalo; ++h) xw[h] = element(prev, kSlice - kHalo + h);
+  for (int i = 0; i < kWords<kDt>; ++i) {
+    if (i < kTailWord<kDt, kTaps>) {
+      before.w[i] = 0u;
+      continue;
+    }
+    const uint32_t r = __shfl_sync(kFullMask, cur.w[i], lane + seg - 1, seg);
+    before.w[i] = lane == 0 ? carry.w[i] : r;
+    if (lane == 0) carry.w[i] = r;
+  }
+}
+
+// x at positions 8s - (kTaps-1) .. 8s + 7 into xw: slice s (`cur`) and the tail of slice s-1
+// (`before`), or initial_states at the row's start.
+template <int kDt, int kTaps>
+__device__ __forceinline__ void x_window(const Conv1dArgs& a, const SeqPlace& at, int64_t s,
+                                         bool ok, const Raw<kDt>& before, const Raw<kDt>& cur,
+                                         float (&xw)[kTaps - 1 + kSlice]) {
+  constexpr int kHalo = kTaps - 1;
+#pragma unroll
+  for (int h = 0; h < kHalo; ++h) xw[h] = element(before, kSlice - kHalo + h);
 #pragma unroll
   for (int e = 0; e < kSlice; ++e) xw[kHalo + e] = element(cur, e);
   if (ok && s == 0) halo_from_initial_states<kTaps>(a, at.b, at.c, xw);
@@ -144,9 +157,79 @@ __device__ __forceinline__ bool holds_row_end(const SeqPlace& at, const SeqPlan&
          at.lane == int((p.nslices - 1 - at.first_slice) % p.seg);
 }
 
-// The forward kernel's body; kMasked: seq_idx is given. Without it every output has the same
-// taps, whose predicates the compiler then computes once instead of at every tap.
+// The backward's pipeline: each lane copies its slices (x, dout and, for the segment's first
+// lane, x of the slice before) kBwdStages-1 iterations ahead into its own shared-memory slots,
+// where they wait without holding registers. A lane reads only what it copied, so no barrier.
+template <int kDt>
+constexpr int kBwdStages = kDt == int(Dtype::F32) ? 3 : 4;
+template <int kDt>
+constexpr int kQuads = kWords<kDt> / 4;  // 16-byte pieces of a raw slice
+constexpr int kBwdKinds = 3;             // x, dout, x before
+
+template <int kDt>
+using BwdSlots = uint4[kBwdStages<kDt> * kBwdKinds * kQuads<kDt> * kConv1dBlock];
+
+// The lane's slot of `kind` in stage `stage`; its pieces lie kConv1dBlock apart, so a warp's
+// 16-byte accesses are contiguous.
+template <int kDt>
+__device__ __forceinline__ uint4* slot(BwdSlots<kDt>& sm, int stage, int kind) {
+  return sm + (stage * kBwdKinds + kind) * kQuads<kDt> * kConv1dBlock + threadIdx.x;
+}
+
+// Slice s of a row (its n valid elements; 0: zeros) into a slot: a full slice of a vector row by
+// cp.async, anything else loaded now and stored.
+template <int kDt>
+__device__ __forceinline__ void stage_slice(uint4* dst, const SeqRow& r, int64_t s, int n,
+                                            bool vec) {
+  if (vec && n == kSlice) {
+    const uint4* src = reinterpret_cast<const uint4*>(
+        static_cast<const char*>(r.data) +
+        (r.base + s * kSlice) * (kDt == int(Dtype::F32) ? 4 : 2));
+#pragma unroll
+    for (int q = 0; q < kQuads<kDt>; ++q) cp_async_16(dst + q * kConv1dBlock, src + q);
+    return;
+  }
+  Raw<kDt> v;
+  fetch(r, s, n, vec, v);
+#pragma unroll
+  for (int q = 0; q < kQuads<kDt>; ++q)
+    dst[q * kConv1dBlock] = make_uint4(v.w[4 * q], v.w[4 * q + 1], v.w[4 * q + 2], v.w[4 * q + 3]);
+}
+
+template <int kDt>
+__device__ __forceinline__ void unstage(const uint4* src, Raw<kDt>& v) {
+#pragma unroll
+  for (int q = 0; q < kQuads<kDt>; ++q) {
+    const uint4 u = src[q * kConv1dBlock];
+    v.w[4 * q] = u.x, v.w[4 * q + 1] = u.y, v.w[4 * q + 2] = u.z, v.w[4 * q + 3] = u.w;
+  }
+}
+
+// dz (the gradient of the convolution's output z, before the activation) at position pos < seqlen
+// of row (b, c), from memory: x at the kTaps positions up to pos and dout at pos. For the kTaps-1
+// positions after a unit, which another unit owns.
 template <int kDt, int kTaps, bool kMasked>
+__device__ __forceinline__ float dz_from_memory(const Conv1dArgs& a, int64_t b, int64_t c,
+                                                int64_t pos, const float (&wt)[kTaps],
+                                                float bias, uint32_t wmask) {
+  float xw[kTaps];
+  int sw[kTaps];
+#pragma unroll
+  for (int k = 0; k < kTaps; ++k) {
+    const int64_t q = pos - (kTaps - 1) + k;
+    xw[k] = x_or_initial<kDt>(a, b, c, q);
+    sw[k] = kMasked ? load_seq_id(a.seq_idx, b, q > 0 ? q : 0) : 0;
+  }
+  const float z =
+      conv_at<kTaps>(xw, wt, bias, kMasked ? same_sequence_taps<kTaps>(sw, wmask) : wmask);
+  const float g = load_x<kDt>(a.dout.data, at3(a.dout, b, c, pos));
+  return a.silu ? g * dsilu(z) : g;
+}
+
+// The forward kernel's body; kMasked: seq_idx is given. Without it every output has the same
+// taps, whose predicates the compiler then computes once instead of at every tap; kFull: the
+// width is kTaps, and there are none.
+template <int kDt, int kTaps, bool kMasked, bool kFull>
 __device__ __forceinline__ void fwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
   constexpr int kHalo = kTaps - 1;
   const SeqPlace at(a, p);
@@ -154,12 +237,15 @@ __device__ __forceinline__ void fwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
   float wt[kTaps];
   load_taps(a.weight, at.c, a.width, wt);
   const float bias = load_bias(a.bias, at.c);
-  const uint32_t wmask = width_taps<kTaps>(a.width);
+  const uint32_t wmask = body_taps<kTaps, kFull>(a.width);
   const SeqRow xr(a.x, at.b, at.c), outr(a.out, at.b, at.c);
 
   int64_t s = at.first_slice + at.lane;
-  Raw<kDt> cur;
+  Raw<kDt> cur, carry;
   fetch(xr, s, at.unit_ok && s < at.end_slice ? valid_in_slice(L, s) : 0, p.vec, cur);
+  // The slice before the unit, for its first lane (none at the row's start).
+  fetch(xr, at.first_slice - 1, at.lane == 0 && at.unit_ok && at.first_slice > 0 ? kSlice : 0,
+        p.vec, carry);
   // Every lane runs every iteration: the shuffles need the whole warp.
   for (int it = 0; it < p.iters; ++it, s += p.seg) {
     const bool ok = at.unit_ok && s < at.end_slice;
@@ -181,8 +267,10 @@ __device__ __forceinline__ void fwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
         tm |= SliceMasks(same_sequence_taps<kTaps>(sw + e, wmask)) << (e * kTaps);
     }
 
+    Raw<kDt> before;
+    tail_before<kDt, kTaps>(cur, at.lane, p.seg, carry, before);
     float xw[kHalo + kSlice];  // x at positions 8s - (kTaps-1) .. 8s + 7
-    x_window<kDt, kTaps>(a, at, p, xr, s, ok, cur, xw);
+    x_window<kDt, kTaps>(a, at, s, ok, before, cur, xw);
 
     if (ok) {
       float o[kSlice];
@@ -202,9 +290,11 @@ __device__ __forceinline__ void fwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
   if (a.final_states.present() && holds_row_end(at, p)) write_final_states<kDt>(a, at.b, at.c);
 }
 
-// The backward kernel's body; kMasked as for fwd_seq.
-template <int kDt, int kTaps, bool kMasked>
-__device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
+// The backward kernel's body; kMasked and kFull as for fwd_seq; sm: the block's pipeline slots.
+// Iteration it takes slice first + (iters-1-it)*seg + lane: the unit from the top down.
+template <int kDt, int kTaps, bool kMasked, bool kFull>
+__device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p,
+                                        BwdSlots<kDt>& sm) {
   constexpr int kHalo = kTaps - 1;
   const SeqPlace at(a, p);
   const int W = a.width;
@@ -212,28 +302,69 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
   float wt[kTaps];
   load_taps(a.weight, at.c, W, wt);
   const float bias = load_bias(a.bias, at.c);
-  const uint32_t wmask = width_taps<kTaps>(W);
-  const bool last_lane = at.lane == p.seg - 1;
+  const uint32_t wmask = body_taps<kTaps, kFull>(W);
+  const bool first_lane = at.lane == 0, last_lane = at.lane == p.seg - 1;
   const SeqRow xr(a.x, at.b, at.c), gr(a.dout, at.b, at.c), dxr(a.dx, at.b, at.c);
   float dw[kTaps] = {}, db = 0.f;
 
-  int64_t s = at.first_slice + at.lane;
-  for (int it = 0; it < p.iters; ++it, s += p.seg) {
+  // dz at the kTaps-1 positions after the slice of the segment's last lane: in the first
+  // iteration those after the unit (the last lane has the unit's last slice when the unit is
+  // full; a shorter unit ends the row, after which dz is 0), later the first lane's.
+  float dz_after[kHalo];
+#pragma unroll
+  for (int h = 0; h < kHalo; ++h) {
+    const int64_t pos = at.end_slice * kSlice + h;
+    dz_after[h] = last_lane && at.unit_ok && pos < L
+                      ? dz_from_memory<kDt, kTaps, kMasked>(a, at.b, at.c, pos, wt, bias, wmask)
+                      : 0.f;
+  }
+
+  // Iteration j's slices into stage j % kStages: x and dout of slice s and, for the segment's
+  // first lane, x of slice s-1 (its tail starts the window; the other lanes get theirs by a
+  // shuffle). Every iteration commits a group, empty or not, so the counts below hold.
+  constexpr int kStages = kBwdStages<kDt>;
+  const int64_t top = at.first_slice + int64_t(p.iters - 1) * p.seg + at.lane;
+  const auto stage_in = [&](int j) {
+    if (j < p.iters) {
+      const int64_t sj = top - int64_t(j) * p.seg;
+      const bool ok = at.unit_ok && sj < at.end_slice;
+      const int n = ok ? valid_in_slice(L, sj) : 0;
+      const int st = j % kStages;
+      stage_slice<kDt>(slot<kDt>(sm, st, 0), xr, sj, n, p.vec);
+      stage_slice<kDt>(slot<kDt>(sm, st, 1), gr, sj, n, p.vec);
+      if (first_lane) stage_slice<kDt>(slot<kDt>(sm, st, 2), xr, sj - 1, ok && sj > 0 ? kSlice : 0,
+                                       p.vec);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int j = 0; j + 1 < kStages; ++j) stage_in(j);
+  int64_t s = top;
+  for (int it = 0; it < p.iters; ++it, s -= p.seg) {
     const bool ok = at.unit_ok && s < at.end_slice;
     const int n = ok ? valid_in_slice(L, s) : 0;
-    Raw<kDt> xcur, gcur;
-    fetch(xr, s, n, p.vec, xcur);
-    fetch(gr, s, n, p.vec, gcur);
+    cp_async_wait<kStages - 2>();
+    Raw<kDt> xcur, gcur, xbefore;
+    const int st = it % kStages;
+    unstage(slot<kDt>(sm, st, 0), xcur);
+    unstage(slot<kDt>(sm, st, 1), gcur);
+    if (first_lane) {
+      unstage(slot<kDt>(sm, st, 2), xbefore);
+    } else {
+      clear(xbefore);
+    }
+    // Into the stage the previous iteration read (its values are used by now): kStages-1
+    // iterations in flight while this one is computed.
+    stage_in(it + kStages - 1);
 
-    // Tap masks of the own outputs (tm) and of the next slice's first kTaps-1 (am, for the last
-    // lane), output masks of the own inputs (gm); bit e of fm: own position e is of position
-    // seqlen-1's sequence, bit 8: so is position 0; bit t of im: own position t is of position
-    // 0's sequence (the initial states' gradients use the last two).
-    SliceMasks tm = replicate<kTaps>(wmask), gm = tm, am = tm;
+    // Tap masks of the own outputs (tm), output masks of the own inputs (gm); bit e of fm: own
+    // position e is of position seqlen-1's sequence, bit 8: so is position 0; bit t of im: own
+    // position t is of position 0's sequence (the initial states' gradients use the last two).
+    SliceMasks tm = replicate<kTaps>(wmask), gm = tm;
     uint32_t fm = ~0u, im = ~0u;
     if constexpr (kMasked) {
       int sw[kHalo + kSlice + kHalo];  // ids of positions 8s - (kTaps-1) .. 8s + 8 + kTaps - 2
-      seq_ids_behind_and_own<kTaps>(a, at.b, s, n, at.lane == 0, p.seg, sw);
+      seq_ids_behind_and_own<kTaps>(a, at.b, s, n, first_lane, p.seg, sw);
 #pragma unroll
       for (int h = 0; h < kHalo; ++h)
         sw[kHalo + kSlice + h] = __shfl_down_sync(kFullMask, sw[kHalo + h], 1, p.seg);
@@ -245,7 +376,7 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
         }
       }
       const int last_id = load_seq_id(a.seq_idx, at.b, L - 1);
-      tm = gm = am = 0;
+      tm = gm = 0;
       fm = uint32_t(sw[kHalo] == last_id) << kSlice;
       im = 0u;
 #pragma unroll
@@ -255,16 +386,21 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
         fm |= uint32_t(sw[kHalo + e] == last_id) << e;
         im |= uint32_t(sw[kHalo + e] == sw[kHalo]) << e;
       }
-#pragma unroll
-      for (int h = 0; h < kHalo; ++h)
-        am |= SliceMasks(same_sequence_taps<kTaps>(sw + kSlice + h, wmask)) << (h * kTaps);
     }
 
+    Raw<kDt> before;
+#pragma unroll
+    for (int i = 0; i < kWords<kDt>; ++i) {
+      const uint32_t up =
+          i < kTailWord<kDt, kTaps> ? 0u : __shfl_up_sync(kFullMask, xcur.w[i], 1, p.seg);
+      before.w[i] = first_lane ? xbefore.w[i] : up;
+    }
     float xw[kHalo + kSlice];  // x at positions 8s - (kTaps-1) .. 8s + 7
-    x_window<kDt, kTaps>(a, at, p, xr, s, ok, xcur, xw);
+    x_window<kDt, kTaps>(a, at, s, ok, before, xcur, xw);
 
-    // dz at positions 8s .. 8s + 8 + kTaps - 2: the slice's own, then the next lane's first
-    // (positions past seqlen have dout 0, so dz 0).
+    // dz at positions 8s .. 8s + 8 + kTaps - 2: the slice's own (0 past seqlen), then the next
+    // lane's first; the last lane has them from the first lane's previous iteration, and keeps
+    // the first lane's of this one for its next.
     float dz[kSlice + kHalo];
 #pragma unroll
     for (int e = 0; e < kSlice; ++e) {
@@ -272,25 +408,16 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
       const uint32_t m = kMasked ? mask_of<kTaps>(tm, e) : wmask;
       dz[e] = a.silu ? g * dsilu(conv_at<kTaps>(xw + e, wt, bias, m)) : g;
     }
+    // One test a slice rather than one an element: a full slice has no position past seqlen.
+    if (n < kSlice) {
 #pragma unroll
-    for (int h = 0; h < kHalo; ++h) dz[kSlice + h] = __shfl_down_sync(kFullMask, dz[h], 1, p.seg);
-    if (last_lane) {
-      const int n_next = ok ? valid_in_slice(L, s + 1) : 0;
-      Raw<kDt> xn, gn;
-      fetch(xr, s + 1, n_next, p.vec, xn);
-      fetch(gr, s + 1, n_next, p.vec, gn);
-      float xa[kHalo + kHalo];  // x at positions 8(s+1) - (kTaps-1) .. 8(s+1) + kTaps - 2
+      for (int e = 0; e < kSlice; ++e) dz[e] = e < n ? dz[e] : 0.f;
+    }
 #pragma unroll
-      for (int h = 0; h < kHalo; ++h) {
-        xa[h] = xw[kSlice + h];
-        xa[kHalo + h] = element(xn, h);
-      }
-#pragma unroll
-      for (int h = 0; h < kHalo; ++h) {
-        const float g = element(gn, h);
-        const uint32_t m = kMasked ? mask_of<kTaps>(am, h) : wmask;
-        dz[kSlice + h] = a.silu ? g * dsilu(conv_at<kTaps>(xa + h, wt, bias, m)) : g;
-      }
+    for (int h = 0; h < kHalo; ++h) {
+      const float r = __shfl_sync(kFullMask, dz[h], at.lane + 1, p.seg);
+      dz[kSlice + h] = last_lane ? dz_after[h] : r;
+      if (last_lane) dz_after[h] = r;
     }
 
     if (ok) {
@@ -298,14 +425,19 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
         float g[kSlice];
 #pragma unroll
         for (int e = 0; e < kSlice; ++e)
-          g[e] = input_grad_at<kTaps>(dz + e, wt, kMasked ? mask_of<kTaps>(gm, e) : wmask) +
-                 final_state_grad(a, at.b, at.c, s * kSlice + e, (fm >> e) & 1u);
+          g[e] = input_grad_at<kTaps>(dz + e, wt, kMasked ? mask_of<kTaps>(gm, e) : wmask);
+        // dfinal_states reaches the last W-1 positions only: one test a slice.
+        if (a.dfinal_states.present() && (s + 1) * kSlice > L - (W - 1)) {
+#pragma unroll
+          for (int e = 0; e < kSlice; ++e)
+            g[e] += final_state_grad(a, at.b, at.c, s * kSlice + e, (fm >> e) & 1u);
+        }
         Raw<kDt> r;
         narrow(g, r);
         store_raw<kDt>(dxr.data, dxr.base + s * kSlice * dxr.stride, dxr.stride, n,
                        p.vec && n == kSlice, r);
       }
-      // Positions past seqlen have dz 0 and x 0, so they add nothing.
+      // Positions past seqlen have dz 0, so they add nothing.
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
         db += dz[e];
@@ -351,17 +483,26 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
 }  // namespace conv1d_detail
 
 // One kernel with packed sequences (kMasked) and one without, so the common case keeps
-// registers for nothing it does not use; the launcher picks by seq_idx.
+// registers for nothing it does not use; the launcher picks by seq_idx. The kernel without gives
+// the width that fills the taps (4 at 4 taps, Mamba's) a body of its own, free of per-tap
+// predicates; packed sequences, with masks at every output anyway, keep one body.
 template <int kDt, int kTaps, bool kMasked>
 __global__ void __launch_bounds__(kConv1dBlock)
     conv1d_fwd_seq_kernel(const Conv1dArgs a, const SeqPlan p) {
-  conv1d_detail::fwd_seq<kDt, kTaps, kMasked>(a, p);
+  if constexpr (!kMasked) {
+    if (a.width == kTaps) return conv1d_detail::fwd_seq<kDt, kTaps, false, true>(a, p);
+  }
+  conv1d_detail::fwd_seq<kDt, kTaps, kMasked, false>(a, p);
 }
 
 template <int kDt, int kTaps, bool kMasked>
-__global__ void __launch_bounds__(kConv1dBlock, kConv1dBwdMinBlocks<kTaps, kMasked>)
+__global__ void __launch_bounds__(kConv1dBlock, kConv1dBwdSeqMinBlocks<kTaps, kMasked>)
     conv1d_bwd_seq_kernel(const Conv1dArgs a, const SeqPlan p) {
-  conv1d_detail::bwd_seq<kDt, kTaps, kMasked>(a, p);
+  __shared__ conv1d_detail::BwdSlots<kDt> sm;
+  if constexpr (!kMasked) {
+    if (a.width == kTaps) return conv1d_detail::bwd_seq<kDt, kTaps, false, true>(a, p, sm);
+  }
+  conv1d_detail::bwd_seq<kDt, kTaps, kMasked, false>(a, p, sm);
 }
 
 template <int kDt, int kTaps>
