@@ -1,6 +1,7 @@
-// CUDA launcher of the selective-state decode step: picks the kernel (16-byte state chunks, or
-// element by element for layouts they cannot read), the lanes that share a row, and which of A,
-// B and C can be read in vector pieces, then launches on the caller's stream. No workspace, no
+// CUDA launcher of the selective-state decode step: picks the kernel (16-byte state chunks in
+// tiles of rows, or element by element for layouts they cannot read), the lanes that share a
+// row, which of A, B and C can be read in vector pieces and the block size, then launches on
+// the caller's stream. No workspace, no
 // synchronisation: the call can be captured in a CUDA graph.
 #include <algorithm>
 #include <climits>
@@ -41,9 +42,35 @@ bool piece_contiguous(const TensorRef& t, std::initializer_list<int64_t> sizes, 
          aligned(t, sizes, std::min<int64_t>(16, int64_t(v) * elem_bytes(t.dtype)));
 }
 
+// The vector kernel's rows a tile: 4 chunks a lane in flight with one chunk a row, 2 rows of
+// two chunks each (float32 past dstate 128), so every lane keeps 64 bytes of state in flight.
+template <int kChunks>
+constexpr int rows_per_tile() {
+  return 4 / kChunks;
+}
+
+// Launches the vector kernel over p.tiles tiles. Blocks of kThreads, unless that leaves fewer
+// blocks than two a multiprocessor (batch-1 decode): then smaller blocks, down to one warp, so
+// the little work there is spreads over more multiprocessors.
 template <typename T, int kChunks>
-void launch_vec(const StateUpdateArgs& a, const StateUpdatePlan& p, int blocks, cudaStream_t s) {
-  state_update_detail::state_update_vec_kernel<T, kChunks><<<blocks, kThreads, 0, s>>>(a, p);
+void launch_vec(const StateUpdateArgs& a, StateUpdatePlan p, int device, cudaStream_t s) {
+  constexpr int kRows = rows_per_tile<kChunks>();
+  p.lanes = std::max(p.lanes, kRows);
+  p.head_tiles = (a.headdim + kRows - 1) / kRows;
+  p.tiles = a.batch * a.nheads * p.head_tiles;
+  p.index32 = p.tiles <= INT32_MAX;
+  const int64_t want = 2 * int64_t(std::max(multiprocessor_count(device), 1));
+  int threads = kThreads;
+  while (threads > 32 && (p.tiles * p.lanes + threads - 1) / threads < want) threads /= 2;
+  const int64_t tiles_per_block = threads / p.lanes;
+  const int blocks = int(std::clamp<int64_t>((p.tiles + tiles_per_block - 1) / tiles_per_block,
+                                             1, INT_MAX));
+  if (p.a_per_row)
+    state_update_detail::state_update_vec_kernel<T, kChunks, kRows, true>
+        <<<blocks, threads, 0, s>>>(a, p);
+  else
+    state_update_detail::state_update_vec_kernel<T, kChunks, kRows, false>
+        <<<blocks, threads, 0, s>>>(a, p);
 }
 
 int grid_for(const StateUpdatePlan& p) {
@@ -73,21 +100,20 @@ ssm_status selective_state_update_cuda(const StateUpdateArgs& a, int device, voi
   }
 
   // One 16-byte chunk a lane (up to 32 lanes a row) covers every dtype up to dstate 256 but
-  // float32 past 128, which takes two a lane.
+  // float32 past 128, which takes two a lane. launch_vec raises lanes to a tile's rows.
   const int64_t chunks = N / V;
   const int per_lane = chunks > 32 ? 2 : 1;
   p.lanes = pow2_at_least((chunks + per_lane - 1) / per_lane);
   p.a_contiguous = piece_contiguous(a.A, {a.nheads, a.headdim}, V);
   p.b_contiguous = piece_contiguous(a.B, {a.batch, a.ngroups}, V);
   p.c_contiguous = piece_contiguous(a.C, {a.batch, a.ngroups}, V);
-  const int blocks = grid_for(p);
   switch (a.state.dtype) {
     case Dtype::F32:
-      if (per_lane == 2) launch_vec<float, 2>(a, p, blocks, s);
-      else launch_vec<float, 1>(a, p, blocks, s);
+      if (per_lane == 2) launch_vec<float, 2>(a, p, device, s);
+      else launch_vec<float, 1>(a, p, device, s);
       break;
-    case Dtype::F16: launch_vec<__half, 1>(a, p, blocks, s); break;
-    default: launch_vec<__nv_bfloat16, 1>(a, p, blocks, s); break;
+    case Dtype::F16: launch_vec<__half, 1>(a, p, device, s); break;
+    default: launch_vec<__nv_bfloat16, 1>(a, p, device, s); break;
   }
   return cuda_status(cudaGetLastError(), "selective_state_update launch");
 }
