@@ -120,22 +120,31 @@ __device__ __forceinline__ int64_t state_slot(const StateUpdateArgs& a, int64_t 
   return s < 0 ? -1 : s >= a.batch_state ? -2 : s;
 }
 
-// out[b, h, p] from the lanes' summed y: zero for padding, NaN for an index out of range.
-__device__ __forceinline__ void store_out(const StateUpdateArgs& a, RowIndex i, int64_t slot,
-                                          float y, const RowInputs& v) {
-  float o;
-  if (slot == -1) {
-    o = 0.f;
-  } else if (slot == -2) {
-    o = __int_as_float(0x7fffffff);
-  } else {
-    o = y;
-    if (a.D.present()) o += v.D * v.x;
-    if (a.z.present()) o *= silu(v.z);
-  }
+// What out[b, h, p] needs besides the row's sum y, taken from the row's scalars as soon as
+// they arrive so that only these stay live while the state is read: out's offset, D x and the
+// gate silu(z).
+struct RowOut {
+  int64_t offset = 0;
+  float dx = 0.f, gate = 1.f;
+};
+
+__device__ __forceinline__ RowOut row_out(const StateUpdateArgs& a, RowIndex i,
+                                          const RowInputs& v) {
   const TensorRef& t = a.out;
-  store_from_float(t.data, i.b * t.stride[0] + i.h * t.stride[1] + i.p * t.stride[2], t.dtype,
-                   o);
+  RowOut o;
+  o.offset = i.b * t.stride[0] + i.h * t.stride[1] + i.p * t.stride[2];
+  if (a.D.present()) o.dx = v.D * v.x;
+  if (a.z.present()) o.gate = silu(v.z);
+  return o;
+}
+
+// out[b, h, p] from the lanes' summed y: zero for padding, NaN for an index out of range.
+__device__ __forceinline__ void store_out(const StateUpdateArgs& a, const RowOut& r,
+                                          int64_t slot, float y) {
+  const float o = slot == -1   ? 0.f
+                  : slot == -2 ? __int_as_float(0x7fffffff)
+                               : (y + r.dx) * r.gate;
+  store_from_float(a.out.data, r.offset, a.out.dtype, o);
 }
 
 __device__ __forceinline__ float row_sum(float v, int lanes) {
@@ -280,14 +289,14 @@ __device__ __forceinline__ float tile_row_sums(float (&y)[kRows], int lane, int 
 }
 
 // Blocks per SM the vector kernel is compiled for: the most that hold a tile in registers
-// without spilling (ptxas -v, sm_90a: float32 one chunk a row 72 registers with one decay a
+// without spilling (ptxas -v, sm_90a: float32 one chunk a row 64 registers with one decay a
 // row, 80 with A along dstate, whose kRows x V values take registers of their own; 16-bit
-// states 80 and 113; float32 two chunks a row 94 and 96). At 5 to 7 blocks of 128 threads,
-// each with 64 bytes of state in flight, 40-56 KB an SM are in flight.
+// states 76 and 112; float32 two chunks a row 80 and 96). At 4 to 8 blocks of 128 threads,
+// each thread with 64 bytes of state in flight, 32-64 KB an SM are in flight.
 template <typename T, int kChunks, bool kAPerRow>
 constexpr int vec_min_blocks() {
   if (kChunks == 2) return 5;
-  if (sizeof(T) == 4) return kAPerRow ? 7 : 6;
+  if (sizeof(T) == 4) return kAPerRow ? 8 : 6;
   return kAPerRow ? 6 : 4;
 }
 
@@ -316,6 +325,7 @@ __global__ void __launch_bounds__(kThreads, vec_min_blocks<T, kChunks, kAPerRow>
     // Every load of the tile is issued before any arithmetic; only the state's address waits
     // for the slot.
     const RowInputs v = owner ? load_row_inputs(a, plan, mine) : RowInputs();
+    const RowOut out = row_out(a, mine, v);
     const int64_t slot = valid ? state_slot(a, tile.b) : -1;
     const bool live = slot >= 0;
     const int64_t state_row0 =
@@ -382,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, vec_min_blocks<T, kChunks, kAPerRow>
       }
     }
     const float sum = tile_row_sums<kRows>(y, lane, lanes);
-    if (owner) store_out(a, mine, slot, sum, v);
+    if (owner) store_out(a, out, slot, sum);
   }
 }
 
@@ -419,7 +429,7 @@ __global__ void __launch_bounds__(kThreads) state_update_strided_kernel(
       }
     }
     y = row_sum(y, lanes);
-    if (valid && lane == 0) store_out(a, i, slot, y, v);
+    if (valid && lane == 0) store_out(a, row_out(a, i, v), slot, y);
   }
 }
 
