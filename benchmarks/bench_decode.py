@@ -27,9 +27,9 @@ the steps in a window (--inner, default 100):
 The conv and the state update are also timed alone, eager and replayed from a graph (the
 second table: where a graph step's time goes at batch 1, where launches, not bytes, bound
 it). "x mamba" is libssm's speed over mamba_ssm's (its time / libssm's; > 1: libssm faster).
-TB/s: the minimal bytes of the step (each input read once, each output written once, the states read and
-written, the conv output written once and read once) over the graph time; at batch 64 the
-mamba2 state dominates (256 MiB read and written at 128 heads).
+TB/s: the minimal bytes of the step (each input read once, each output written once, the
+states read and written, the conv output written once and read once) over the graph time; at
+batch 64 the mamba2 state dominates (256 MiB read and written at 128 heads).
 
 Before timing, one step of each implementation, from the same inputs and states, is checked
 against a float64 evaluation of the step: out and both new states within ||err|| / ||ref|| <=
