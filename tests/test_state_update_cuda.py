@@ -23,12 +23,13 @@ dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 
 # Chosen against the launch plan (state_update_cuda.cu): a row's lanes are its 16-byte state
 # chunks rounded up to a power of two, float32 taking two chunks a lane past dstate 128, and at
-# least the rows of a tile (4 consecutive rows of a head, 2 with two chunks a lane), blocks
-# shrinking to one warp when few tiles fill the GPU. dstate 4 (float32: one chunk, four lanes;
-# 16-bit states: not a whole chunk, so element by element), 8 (two lanes' worth or one), 24 and
-# 48 (lanes left idle), 132 (float32: 33 chunks, so 32 lanes of which one has a second chunk;
-# 16-bit: element by element), 256 (the limit), 3 and 17 (element by element), headdim not a
-# multiple of a tile's rows (3, 5, 9, 257), 32 heads a group.
+# least the rows of a tile (consecutive rows of a head: 8 for float32 states with A constant
+# along dstate, 2 with two chunks a lane, else 4), blocks shrinking to one warp when few tiles
+# fill the GPU. dstate 4 (float32: one chunk, the rest of a tile's lanes idle; 16-bit states:
+# not a whole chunk, so element by element), 8 (two lanes' worth or one), 24 and 48 (lanes left
+# idle), 132 (float32: 33 chunks, so 32 lanes of which one has a second chunk; 16-bit: element
+# by element), 256 (the limit), 3 and 17 (element by element), headdim not a multiple of a
+# tile's rows (3, 5, 9, 257), 32 heads a group.
 KERNEL_ROWS = (
     FULL.replace(dstate=4),
     FULL.replace(dstate=8),

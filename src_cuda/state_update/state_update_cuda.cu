@@ -42,19 +42,23 @@ bool piece_contiguous(const TensorRef& t, std::initializer_list<int64_t> sizes, 
          aligned(t, sizes, std::min<int64_t>(16, int64_t(v) * elem_bytes(t.dtype)));
 }
 
-// The vector kernel's rows a tile: 4 chunks a lane in flight with one chunk a row, 2 rows of
-// two chunks each (float32 past dstate 128), so every lane keeps 64 bytes of state in flight.
-template <int kChunks>
+// The vector kernel's rows a tile. Float32 states with one decay a row (Mamba-2) take 8: 128
+// bytes of state a lane in flight at 5 blocks an SM measured 155 us against 162 us for 4 rows
+// at 8 blocks (H200, 128 heads x 64 x 128 at batch 64). With A along dstate (Mamba-1) each row
+// also holds its A values, and 8 rows (4 blocks) ran 1.5x slower than 4: those take 4, as do
+// 16-bit states; two float32 chunks a lane take 2, so every lane keeps 64 bytes in flight.
+template <typename T, int kChunks, bool kAPerRow>
 constexpr int rows_per_tile() {
-  return 4 / kChunks;
+  if (kChunks == 2) return 2;
+  return sizeof(T) == 4 && kAPerRow ? 8 : 4;
 }
 
 // Launches the vector kernel over p.tiles tiles. Blocks of kThreads, unless that leaves fewer
 // blocks than two a multiprocessor (batch-1 decode): then smaller blocks, down to one warp, so
 // the little work there is spreads over more multiprocessors.
-template <typename T, int kChunks>
+template <typename T, int kChunks, bool kAPerRow>
 void launch_vec(const StateUpdateArgs& a, StateUpdatePlan p, int device, cudaStream_t s) {
-  constexpr int kRows = rows_per_tile<kChunks>();
+  constexpr int kRows = rows_per_tile<T, kChunks, kAPerRow>();
   p.lanes = std::max(p.lanes, kRows);
   p.head_tiles = (a.headdim + kRows - 1) / kRows;
   p.tiles = a.batch * a.nheads * p.head_tiles;
@@ -65,12 +69,15 @@ void launch_vec(const StateUpdateArgs& a, StateUpdatePlan p, int device, cudaStr
   const int64_t tiles_per_block = threads / p.lanes;
   const int blocks = int(std::clamp<int64_t>((p.tiles + tiles_per_block - 1) / tiles_per_block,
                                              1, INT_MAX));
-  if (p.a_per_row)
-    state_update_detail::state_update_vec_kernel<T, kChunks, kRows, true>
-        <<<blocks, threads, 0, s>>>(a, p);
-  else
-    state_update_detail::state_update_vec_kernel<T, kChunks, kRows, false>
-        <<<blocks, threads, 0, s>>>(a, p);
+  state_update_detail::state_update_vec_kernel<T, kChunks, kRows, kAPerRow>
+      <<<blocks, threads, 0, s>>>(a, p);
+}
+
+template <typename T, int kChunks>
+void launch_vec(const StateUpdateArgs& a, const StateUpdatePlan& p, int device,
+                cudaStream_t s) {
+  if (p.a_per_row) launch_vec<T, kChunks, true>(a, p, device, s);
+  else launch_vec<T, kChunks, false>(a, p, device, s);
 }
 
 int grid_for(const StateUpdatePlan& p) {

@@ -4,19 +4,19 @@
 // consecutive lanes of a warp (a power of two up to 32) owns a tile: kRows consecutive rows
 // (b, h, p0 .. p0 + kRows - 1) of one head, each lane the same chunks of every row. So B and C
 // are loaded once a tile, every state load of the tile is issued before any arithmetic (kRows
-// chunks a lane in flight: one chunk a lane, as a row at a time had, left the memory system
-// idle between a lane's rows), and each row's scalars (x, dt, softplus, D, z, one decay) are
+// chunks a lane in flight), and each row's scalars (x, dt, softplus, D, z, one decay) are
 // loaded and computed by one lane and handed to the others by shuffles. The kernel is templated
 // on state's dtype (the chunk's conversion must be compile-time), on kChunks, the chunks a lane
-// owns in a row (float32 needs 2 only past dstate 128), and on kRows (registers must be
-// compile-time): 4 instantiations cover every dtype and dstate.
+// owns in a row (float32 needs 2 only past dstate 128), on kRows (registers must be
+// compile-time), and on whether A is constant along dstate (one decay a row: the Mamba-2 tile
+// then needs far fewer registers): 8 instantiations cover every dtype and dstate.
 //
 // state_update_strided_kernel takes any strides and dtype element by element, one row a lane
 // group: dstate not a multiple of a chunk, state not contiguous along dstate, or unaligned rows.
 //
-// Everything else (operand dtypes, z, D, dt_bias, indices, A constant along dstate) is a
-// warp-uniform run-time branch: decode is bound by latency and bytes, not by those
-// instructions, and each template flag would double the instantiations.
+// Everything else (operand dtypes, z, D, dt_bias, indices) is a warp-uniform run-time branch:
+// decode is bound by latency and bytes, not by those instructions, and each template flag
+// would double the instantiations.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -289,14 +289,14 @@ __device__ __forceinline__ float tile_row_sums(float (&y)[kRows], int lane, int 
 }
 
 // Blocks per SM the vector kernel is compiled for: the most that hold a tile in registers
-// without spilling (ptxas -v, sm_90a: float32 one chunk a row 64 registers with one decay a
-// row, 80 with A along dstate, whose kRows x V values take registers of their own; 16-bit
-// states 76 and 112; float32 two chunks a row 80 and 96). At 4 to 8 blocks of 128 threads,
-// each thread with 64 bytes of state in flight, 32-64 KB an SM are in flight.
+// without spilling (ptxas -v, sm_90a; tiles as rows_per_tile in state_update_cuda.cu sets
+// them): float32 one chunk a row, 8 rows with one decay a row 86 registers (5 blocks), 4 rows
+// with A along dstate, whose kRows x V values take registers of their own, 80 (6); 16-bit
+// states 76 and 112; float32 two chunks a row 80 and 96.
 template <typename T, int kChunks, bool kAPerRow>
 constexpr int vec_min_blocks() {
   if (kChunks == 2) return 5;
-  if (sizeof(T) == 4) return kAPerRow ? 8 : 6;
+  if (sizeof(T) == 4) return kAPerRow ? 5 : 6;
   return kAPerRow ? 6 : 4;
 }
 
