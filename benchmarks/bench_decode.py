@@ -24,11 +24,12 @@ the steps in a window (--inner, default 100):
 - graph: the --inner steps captured once in a CUDA graph, one replay a window: the GPU time
   with launch gaps mostly gone, as a decode loop captured as a graph runs (mamba_ssm's
   generation captures its decode step so).
-The conv and the state update are also timed alone (eager), in the JSON. "x mamba" is
-libssm's speed over mamba_ssm's (its time / libssm's; > 1: libssm faster). TB/s: the minimal
-bytes of the step (each input read once, each output written once, the states read and
-written, the conv output written once and read once) over the graph time; at batch 64 the
-mamba2 state dominates (256 MiB read and written at 128 heads).
+The conv and the state update are also timed alone, eager and replayed from a graph (the
+second table: where a graph step's time goes at batch 1, where launches, not bytes, bound
+it). "x mamba" is libssm's speed over mamba_ssm's (its time / libssm's; > 1: libssm faster).
+TB/s: the minimal bytes of the step (each input read once, each output written once, the
+states read and written, the conv output written once and read once) over the graph time; at
+batch 64 the mamba2 state dominates (256 MiB read and written at 128 heads).
 
 Before timing, one step of each implementation, from the same inputs and states, is checked
 against a float64 evaluation of the step: out and both new states within ||err|| / ||ref|| <=
@@ -261,7 +262,7 @@ def reference_step(inp):
 
 def measure(impl, fns, unavailable, cfg, batch, timer, args):
     r = dict(impl=impl, check=None, error=None, conv_us=None, ssm_us=None, step_us=None,
-             graph_us=None)
+             graph_us=None, conv_graph_us=None, ssm_graph_us=None)
     conv_update, state_update = fns
     if conv_update is None and state_update is None:
         r["error"] = unavailable
@@ -280,11 +281,12 @@ def measure(impl, fns, unavailable, cfg, batch, timer, args):
             if r["check"] is not None:
                 return r
         us = lambda ms: 1e3 * ms  # noqa: E731
-        if conv:
-            r["conv_us"] = us(timer.median_ms(conv, args.reps, args.warmup, inner=args.inner))
-        if ssm_alone:
-            r["ssm_us"] = us(timer.median_ms(ssm_alone, args.reps, args.warmup,
-                                             inner=args.inner))
+        for name, fn in (("conv", conv), ("ssm", ssm_alone)):
+            if fn:
+                r[name + "_us"] = us(timer.median_ms(fn, args.reps, args.warmup,
+                                                     inner=args.inner))
+                r[name + "_graph_us"] = us(timer.graph_ms(fn, args.reps, args.warmup,
+                                                          inner=args.inner))
         if step:
             r["step_us"] = us(timer.median_ms(step, args.reps, args.warmup, inner=args.inner))
             r["graph_us"] = us(timer.graph_ms(step, args.reps, args.warmup, inner=args.inner))
@@ -326,6 +328,21 @@ def print_table(results, configs, batches, gpu, args):
                      us(lib, "graph_us"), us(mam, "graph_us"), us(tch, "graph_us"),
                      cm.fmt(ratio["step_us"], ".2f"), cm.fmt(ratio["graph_us"], ".2f"),
                      cm.fmt(lib.get("graph_us") and nbytes / lib["graph_us"] / 1e6, ".2f")]
+            print("| " + " | ".join(cells) + " |")
+    print("\nthe parts alone, us a token (conv = conv step, ssu = selective state update; "
+          "eager / graph replay)")
+    head = ["layout", "config", "batch"] + [f"{i} {part} {mode}" for i in IMPLS[:2]
+                                            for part in ("conv", "ssu")
+                                            for mode in ("eager", "graph")]
+    print("| " + " | ".join(head) + " |")
+    print("|" + " --- |" * len(head))
+    for cfg in configs:
+        for batch in batches:
+            cells = [cfg["layout"], config_name(cfg), str(batch)]
+            for impl in IMPLS[:2]:
+                r = find(cfg, batch, impl)
+                cells += [us(r, f) for f in ("conv_us", "conv_graph_us", "ssm_us",
+                                             "ssm_graph_us")]
             print("| " + " | ".join(cells) + " |")
     for r in results:
         if r["check"] or r["error"]:

@@ -22,11 +22,14 @@ pytestmark = pytest.mark.cuda
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 
 # Chosen against the launch plan (state_update_cuda.cu): a row's lanes are its 16-byte state
-# chunks rounded up to a power of two, float32 taking two chunks a lane past dstate 128. dstate 4
-# (float32: one lane a row; 16-bit states: not a whole chunk, so element by element), 8 (two
-# lanes or one), 24 and 48 (lanes left idle), 132 (float32: 33 chunks, so 32 lanes of which one
-# has a second chunk; 16-bit: element by element), 256 (the limit), 3 and 17 (element by
-# element), odd headdim, 32 heads a group.
+# chunks rounded up to a power of two, float32 taking two chunks a lane past dstate 128, and at
+# least the rows of a tile (consecutive rows of a head: 8 for float32 states with A constant
+# along dstate, 2 with two chunks a lane, else 4), blocks shrinking to one warp when few tiles
+# fill the GPU. dstate 4 (float32: one chunk, the rest of a tile's lanes idle; 16-bit states:
+# not a whole chunk, so element by element), 8 (two lanes' worth or one), 24 and 48 (lanes left
+# idle), 132 (float32: 33 chunks, so 32 lanes of which one has a second chunk; 16-bit: element
+# by element), 256 (the limit), 3 and 17 (element by element), headdim not a multiple of a
+# tile's rows (3, 5, 9, 257), 32 heads a group.
 KERNEL_ROWS = (
     FULL.replace(dstate=4),
     FULL.replace(dstate=8),
@@ -40,6 +43,7 @@ KERNEL_ROWS = (
     MAMBA1_FULL.replace(dstate=16, headdim=1000, batch=5),
     MAMBA1_FULL.replace(dstate=32, headdim=257, indices="pad", batch=7),
     FULL.replace(nheads=32, ngroups=1, headdim=64, dstate=64, batch=2),
+    MAMBA2_STEP.replace(dstate=128, headdim=5, batch=3, indices="pad"),
 )
 # Decode as models run it: mamba_ssm's Mamba-1 (d_inner 2048, dstate 16) and Mamba-2 (24 heads
 # of 64, dstate 128, stride-0 dt/dt_bias/A, ngroups 1 and 8) at batch 1 and 64.

@@ -1,16 +1,22 @@
-// Device code of the selective-state decode step (libssm/state_update.h). Each row (b, h, p) of
-// the state, dstate values long, is owned by a group of `lanes` consecutive lanes of a warp
-// (a power of two up to 32); its out value is their sum, reduced with shuffles.
+// Device code of the selective-state decode step (libssm/state_update.h).
 //
-// Two kernels. state_update_vec_kernel reads and writes state in 16-byte chunks and is
-// templated on state's dtype (the chunk's conversion must be compile-time) and on kChunks, the
-// chunks each lane owns (its registers must be compile-time): float32 needs 2 only past
-// dstate 128, so 4 instantiations cover every dtype and dstate. state_update_strided_kernel
-// takes any strides and dtype element by element: dstate not a multiple of a chunk, state not
-// contiguous along dstate, or unaligned rows. Everything else (operand dtypes, z, D, dt_bias,
-// indices, A constant along dstate) is a warp-uniform run-time branch: decode is bound by
-// latency and bytes, not by those instructions, and each template flag would double the
-// instantiations.
+// state_update_vec_kernel reads and writes state in 16-byte chunks. A group of `lanes`
+// consecutive lanes of a warp (a power of two up to 32) owns a tile: kRows consecutive rows
+// (b, h, p0 .. p0 + kRows - 1) of one head, each lane the same chunks of every row. So B and C
+// are loaded once a tile, every state load of the tile is issued before any arithmetic (kRows
+// chunks a lane in flight), and each row's scalars (x, dt, softplus, D, z, one decay) are
+// loaded and computed by one lane and handed to the others by shuffles. The kernel is templated
+// on state's dtype (the chunk's conversion must be compile-time), on kChunks, the chunks a lane
+// owns in a row (float32 needs 2 only past dstate 128), on kRows (registers must be
+// compile-time), and on whether A is constant along dstate (one decay a row: the Mamba-2 tile
+// then needs far fewer registers): 8 instantiations cover every dtype and dstate.
+//
+// state_update_strided_kernel takes any strides and dtype element by element, one row a lane
+// group: dstate not a multiple of a chunk, state not contiguous along dstate, or unaligned rows.
+//
+// Everything else (operand dtypes, z, D, dt_bias, indices) is a warp-uniform run-time branch:
+// decode is bound by latency and bytes, not by those instructions, and each template flag
+// would double the instantiations.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -26,8 +32,11 @@ namespace ssm {
 
 // What the launcher decides once per call (state_update_cuda.cu).
 struct StateUpdatePlan {
-  int64_t rows = 0;              // batch * nheads * headdim
-  int lanes = 32;                // lanes per row: a power of two, 1..32
+  int64_t rows = 0;              // batch * nheads * headdim (strided kernel)
+  int64_t tiles = 0;             // batch * nheads * head_tiles (vector kernel)
+  int64_t head_tiles = 0;        // tiles a head: headdim / kRows, rounded up
+  bool index32 = false;          // tiles fit in int32 (and so every extent the split uses)
+  int lanes = 32;                // lanes per row or tile: a power of two, 1..32
   bool a_per_row = false;        // A constant along dstate: one exponential per row
   bool a_contiguous = false;     // A, B, C: contiguous along dstate and aligned for chunk loads
   bool b_contiguous = false;
@@ -65,6 +74,20 @@ __device__ __forceinline__ RowIndex split_row(int64_t r, const StateUpdateArgs& 
   return {t / a.nheads, h, r % a.headdim, h / a.heads_per_group};
 }
 
+// Tile t as its first row (b, h, p0), p0 = kRows * (t's place in the head), and h's group.
+template <int kRows>
+__device__ __forceinline__ RowIndex split_tile(int64_t t, const StateUpdateArgs& a,
+                                               const StateUpdatePlan& plan) {
+  if (plan.index32) {
+    const uint32_t tu = uint32_t(t), T = uint32_t(plan.head_tiles), H = uint32_t(a.nheads);
+    const uint32_t bh = tu / T, h = bh % H;
+    return {int64_t(bh / H), int64_t(h), int64_t(tu % T) * kRows,
+            int64_t(h / uint32_t(a.heads_per_group))};
+  }
+  const int64_t bh = t / plan.head_tiles, h = bh % a.nheads;
+  return {bh / a.nheads, h, (t % plan.head_tiles) * kRows, h / a.heads_per_group};
+}
+
 // The per-row scalars, loaded before anything that depends on the state slot.
 struct RowInputs {
   float x = 0.f, dt = 0.f, D = 0.f, z = 0.f, A = 0.f;
@@ -97,22 +120,31 @@ __device__ __forceinline__ int64_t state_slot(const StateUpdateArgs& a, int64_t 
   return s < 0 ? -1 : s >= a.batch_state ? -2 : s;
 }
 
-// out[b, h, p] from the lanes' summed y: zero for padding, NaN for an index out of range.
-__device__ __forceinline__ void store_out(const StateUpdateArgs& a, RowIndex i, int64_t slot,
-                                          float y, const RowInputs& v) {
-  float o;
-  if (slot == -1) {
-    o = 0.f;
-  } else if (slot == -2) {
-    o = __int_as_float(0x7fffffff);
-  } else {
-    o = y;
-    if (a.D.present()) o += v.D * v.x;
-    if (a.z.present()) o *= silu(v.z);
-  }
+// What out[b, h, p] needs besides the row's sum y, taken from the row's scalars as soon as
+// they arrive so that only these stay live while the state is read: out's offset, D x and the
+// gate silu(z).
+struct RowOut {
+  int64_t offset = 0;
+  float dx = 0.f, gate = 1.f;
+};
+
+__device__ __forceinline__ RowOut row_out(const StateUpdateArgs& a, RowIndex i,
+                                          const RowInputs& v) {
   const TensorRef& t = a.out;
-  store_from_float(t.data, i.b * t.stride[0] + i.h * t.stride[1] + i.p * t.stride[2], t.dtype,
-                   o);
+  RowOut o;
+  o.offset = i.b * t.stride[0] + i.h * t.stride[1] + i.p * t.stride[2];
+  if (a.D.present()) o.dx = v.D * v.x;
+  if (a.z.present()) o.gate = silu(v.z);
+  return o;
+}
+
+// out[b, h, p] from the lanes' summed y: zero for padding, NaN for an index out of range.
+__device__ __forceinline__ void store_out(const StateUpdateArgs& a, const RowOut& r,
+                                          int64_t slot, float y) {
+  const float o = slot == -1   ? 0.f
+                  : slot == -2 ? __int_as_float(0x7fffffff)
+                               : (y + r.dx) * r.gate;
+  store_from_float(a.out.data, r.offset, a.out.dtype, o);
 }
 
 __device__ __forceinline__ float row_sum(float v, int lanes) {
@@ -178,6 +210,17 @@ __device__ __forceinline__ uint4 floats_to_chunk(const float* v) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// One chunk of state from its floats, in one 16-byte store instruction. Assigning a uint4 or
+// float4 is split by the compiler into four 4-byte stores here (four times the store
+// instructions and transactions), so the store is written out.
+template <typename T>
+__device__ __forceinline__ void store_chunk(T* p, const float* v) {
+  const uint4 w = floats_to_chunk<T>(v);
+  asm("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x), "r"(w.y), "r"(w.z),
+      "r"(w.w)
+      : "memory");
+}
+
 // V consecutive (along dstate) elements of A, B or C at element offset `off`, as floats. With
 // `contiguous` the host has checked stride 1 and alignment to V elements (capped at 16 bytes),
 // so they come in one or two vector loads; otherwise element by element.
@@ -217,89 +260,139 @@ __device__ __forceinline__ void load_piece(const TensorRef& t, int64_t off, int6
 }
 
 // ---------------------------------------------------------------------------------------------
-// The kernels. Rows are walked with a block-stride loop whose condition is uniform across the
-// block, so every lane reaches the shuffles; lanes of rows past the end compute on zeros and
-// store nothing.
+// The kernels. Rows or tiles are walked with a block-stride loop whose condition is uniform
+// across the block, so every lane reaches the shuffles; lanes past the end compute on zeros
+// and store nothing.
 
-// Blocks per SM the vector kernel is compiled for. 8 (at most 64 registers: half the SM's
-// threads resident) holds one chunk a lane without spilling (54 registers for float32 states,
-// 56 for 16-bit ones, which take 68 when left free). Two chunks a lane keep twice the A, B and
-// C pieces in registers and spilled at 64, so they get 6 (71 used; 76 when left free).
-template <int kChunks>
-constexpr int vec_min_blocks() {
-  return kChunks == 1 ? 8 : 6;
+// The kRows sums y of a tile's rows, each spread over the group's lanes, reduced so that lane
+// l ends with the total of row l / (lanes / kRows). Each halving step sends half of a lane's
+// sums to its partner and keeps the other half (kRows - 1 shuffles for the first log2(kRows)
+// offsets instead of kRows each); the single sum left is then reduced as usual. Needs lanes >=
+// kRows.
+template <int kRows>
+__device__ __forceinline__ float tile_row_sums(float (&y)[kRows], int lane, int lanes) {
+  int offset = lanes;
+#pragma unroll
+  for (int n = kRows; n > 1; n /= 2) {
+    offset >>= 1;
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int j = 0; j < n / 2; ++j) {
+      const float send = upper ? y[j] : y[j + n / 2];
+      const float keep = upper ? y[j + n / 2] : y[j];
+      y[j] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+    }
+  }
+  float v = y[0];
+  for (offset >>= 1; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
 }
 
-template <typename T, int kChunks>
-__global__ void __launch_bounds__(kThreads, vec_min_blocks<kChunks>())
+// Blocks per SM the vector kernel is compiled for: the most that hold a tile in registers
+// without spilling (ptxas -v, sm_90a; tiles as rows_per_tile in state_update_cuda.cu sets
+// them): float32 one chunk a row, 8 rows with one decay a row 86 registers (5 blocks), 4 rows
+// with A along dstate, whose kRows x V values take registers of their own, 80 (6); 16-bit
+// states 76 and 112; float32 two chunks a row 80 and 96.
+template <typename T, int kChunks, bool kAPerRow>
+constexpr int vec_min_blocks() {
+  if (kChunks == 2) return 5;
+  if (sizeof(T) == 4) return kAPerRow ? 5 : 6;
+  return kAPerRow ? 6 : 4;
+}
+
+template <typename T, int kChunks, int kRows, bool kAPerRow>
+__global__ void __launch_bounds__(kThreads, vec_min_blocks<T, kChunks, kAPerRow>())
     state_update_vec_kernel(const StateUpdateArgs a, const StateUpdatePlan plan) {
   constexpr int V = ChunkOf<T>::kElems;
   const int lanes = plan.lanes;
   const int lane = int(threadIdx.x) & (lanes - 1);
-  const int64_t rows_per_block = kThreads / lanes;
+  // Lane j * row_lanes loads row j's scalars and ends with its sum (tile_row_sums).
+  const int row_lanes = lanes / kRows;
+  const int own = lane / row_lanes;
+  const int64_t tiles_per_block = int64_t(blockDim.x) / lanes;
   const int64_t N = a.dstate;
   const TensorRef& st = a.state;
-  for (int64_t first = int64_t(blockIdx.x) * rows_per_block; first < plan.rows;
-       first += int64_t(gridDim.x) * rows_per_block) {
-    const int64_t r = first + int64_t(threadIdx.x) / lanes;
-    const bool valid = r < plan.rows;
-    const RowIndex i = split_row(valid ? r : 0, a);
+  for (int64_t first = int64_t(blockIdx.x) * tiles_per_block; first < plan.tiles;
+       first += int64_t(gridDim.x) * tiles_per_block) {
+    const int64_t t = first + int64_t(threadIdx.x) / lanes;
+    const bool valid = t < plan.tiles;
+    const RowIndex tile = split_tile<kRows>(valid ? t : 0, a, plan);
+    const int64_t rows = valid ? a.headdim - tile.p : 0;  // the tile's rows are those < rows
+    RowIndex mine = tile;
+    mine.p += own;
+    const bool owner = (lane & (row_lanes - 1)) == 0 && own < rows;
 
-    // Every load of the row is issued before any arithmetic; only the state's address waits
+    // Every load of the tile is issued before any arithmetic; only the state's address waits
     // for the slot.
-    const RowInputs v = valid ? load_row_inputs(a, plan, i) : RowInputs();
-    float Ab[kChunks][V], Bb[kChunks][V], Cb[kChunks][V];
-    uint4 raw[kChunks];
-    const int64_t a_row = i.h * a.A.stride[0] + i.p * a.A.stride[1];
-    const int64_t b_row = i.b * a.B.stride[0] + i.g * a.B.stride[1];
-    const int64_t c_row = i.b * a.C.stride[0] + i.g * a.C.stride[1];
-    const int64_t slot = valid ? state_slot(a, i.b) : -1;
-    const int64_t state_row =
-        slot * st.stride[0] + i.h * st.stride[1] + i.p * st.stride[2];
+    const RowInputs v = owner ? load_row_inputs(a, plan, mine) : RowInputs();
+    const RowOut out = row_out(a, mine, v);
+    const int64_t slot = valid ? state_slot(a, tile.b) : -1;
     const bool live = slot >= 0;
+    const int64_t state_row0 =
+        slot * st.stride[0] + tile.h * st.stride[1] + tile.p * st.stride[2];
+    const int64_t a_row0 = tile.h * a.A.stride[0] + tile.p * a.A.stride[1];
+    const int64_t b_row = tile.b * a.B.stride[0] + tile.g * a.B.stride[1];
+    const int64_t c_row = tile.b * a.C.stride[0] + tile.g * a.C.stride[1];
+    float Ab[kRows][kChunks][V], Bb[kChunks][V], Cb[kChunks][V];
+    uint4 raw[kRows][kChunks];
 #pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
-      const int64_t n0 = int64_t(lane + j * lanes) * V;
-      raw[j] = make_uint4(0, 0, 0, 0);
-      if (!valid || n0 >= N) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) Ab[j][k] = Bb[j][k] = Cb[j][k] = 0.f;
-        continue;
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t n0 = int64_t(lane + c * lanes) * V;
+      const bool here = valid && n0 < N;
+      if (here) {
+        load_piece<V>(a.B, b_row + n0 * a.B.stride[2], a.B.stride[2], plan.b_contiguous, Bb[c]);
+        load_piece<V>(a.C, c_row + n0 * a.C.stride[2], a.C.stride[2], plan.c_contiguous, Cb[c]);
       }
-      if (plan.a_per_row) {
 #pragma unroll
-        for (int k = 0; k < V; ++k) Ab[j][k] = 0.f;  // unused: the row's one decay applies
-      } else {
-        load_piece<V>(a.A, a_row + n0 * a.A.stride[2], a.A.stride[2], plan.a_contiguous, Ab[j]);
+      for (int j = 0; j < kRows; ++j) {
+        const bool row_here = here && j < rows;
+        raw[j][c] = make_uint4(0, 0, 0, 0);
+        if (row_here && live)
+          raw[j][c] = *reinterpret_cast<const uint4*>(
+              static_cast<const T*>(st.data) + state_row0 + j * st.stride[2] + n0);
+        if (row_here && !kAPerRow) {
+          load_piece<V>(a.A, a_row0 + j * a.A.stride[1] + n0 * a.A.stride[2], a.A.stride[2],
+                        plan.a_contiguous, Ab[j][c]);
+        } else {
+#pragma unroll
+          for (int k = 0; k < V; ++k) Ab[j][c][k] = 0.f;  // unused: the row's one decay applies
+        }
       }
-      load_piece<V>(a.B, b_row + n0 * a.B.stride[2], a.B.stride[2], plan.b_contiguous, Bb[j]);
-      load_piece<V>(a.C, c_row + n0 * a.C.stride[2], a.C.stride[2], plan.c_contiguous, Cb[j]);
-      if (live) raw[j] = *reinterpret_cast<const uint4*>(static_cast<const T*>(st.data) +
-                                                         state_row + n0);
+      if (!here) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) Bb[c][k] = Cb[c][k] = 0.f;
+      }
     }
 
     float dt = v.dt;
     if (a.dt_softplus) dt = softplus(dt);
     const float dtx = dt * v.x;
-    const float row_decay = plan.a_per_row ? __expf(v.A * dt) : 0.f;
-    float y = 0.f;
+    const float decay = kAPerRow ? __expf(v.A * dt) : 0.f;
+    float y[kRows];
 #pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
-      const int64_t n0 = int64_t(lane + j * lanes) * V;
-      float s[V];
-      chunk_to_floats<T>(raw[j], s);
+    for (int j = 0; j < kRows; ++j) {
+      const int src = j * row_lanes;
+      const float dtx_j = __shfl_sync(0xffffffffu, dtx, src, lanes);
+      const float decay_j = kAPerRow ? __shfl_sync(0xffffffffu, decay, src, lanes) : 0.f;
+      const float dt_j = kAPerRow ? 0.f : __shfl_sync(0xffffffffu, dt, src, lanes);
+      y[j] = 0.f;
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        const float decay = plan.a_per_row ? row_decay : __expf(Ab[j][k] * dt);
-        s[k] = s[k] * decay + Bb[j][k] * dtx;
-        y += s[k] * Cb[j][k];
+      for (int c = 0; c < kChunks; ++c) {
+        const int64_t n0 = int64_t(lane + c * lanes) * V;
+        float s[V];
+        chunk_to_floats<T>(raw[j][c], s);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const float d = kAPerRow ? decay_j : __expf(Ab[j][c][k] * dt_j);
+          s[k] = s[k] * d + Bb[c][k] * dtx_j;
+          y[j] += s[k] * Cb[c][k];
+        }
+        if (live && j < rows && n0 < N)
+          store_chunk<T>(static_cast<T*>(st.data) + state_row0 + j * st.stride[2] + n0, s);
       }
-      if (live && n0 < N)
-        *reinterpret_cast<uint4*>(static_cast<T*>(st.data) + state_row + n0) =
-            floats_to_chunk<T>(s);
     }
-    y = row_sum(y, lanes);
-    if (valid && lane == 0) store_out(a, i, slot, y, v);
+    const float sum = tile_row_sums<kRows>(y, lane, lanes);
+    if (owner) store_out(a, out, slot, sum);
   }
 }
 
@@ -336,7 +429,7 @@ __global__ void __launch_bounds__(kThreads) state_update_strided_kernel(
       }
     }
     y = row_sum(y, lanes);
-    if (valid && lane == 0) store_out(a, i, slot, y, v);
+    if (valid && lane == 0) store_out(a, row_out(a, i, v), slot, y);
   }
 }
 
