@@ -40,6 +40,7 @@ torch eager (max error <= 2% of the reference's largest magnitude, finite, same 
 wrong kernel cannot post a fast number: a failing implementation is reported, not timed.
 
     python benchmarks/bench_norm.py [--reps 20] [--rows all|quick] [--kind rms|layer|gated|all]
+                                    [--hidden 16384,32768]
                                     [--impls libssm,eager,compile,mamba] [--fwd-mode train|infer]
 
 mamba_ssm: imported as the installed package if that works; otherwise, when MAMBA_SSM_SRC
@@ -390,6 +391,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20, help="timed calls per measurement (median)")
     ap.add_argument("--rows", choices=["all", "quick"], default="all")
     ap.add_argument("--kind", choices=["rms", "layer", "gated", "all"], default="all")
+    ap.add_argument("--hidden", default="",
+                    help="comma-separated hidden sizes: only the rows of those (default: all)")
     ap.add_argument("--impls", default=",".join(IMPLS),
                     help="comma-separated subset of " + ", ".join(IMPLS))
     ap.add_argument("--fwd-mode", choices=["train", "infer"], default="train",
@@ -417,6 +420,8 @@ def main():
         specs = ALL_ROWS if args.rows == "all" else QUICK_ROWS
         max_elements, copy_bytes = args.max_elements, COPY_BYTES
     specs = [s for s in specs if args.kind in ("all", s[0])]
+    if args.hidden:
+        specs = [s for s in specs if s[1] in {int(h) for h in args.hidden.split(",")}]
     rows = [make_row(k, h, g, max_elements) for k, h, g in specs]
 
     mamba_ln = mamba_gated = None
