@@ -1,4 +1,4 @@
-"""Odd-sized selective-scan and fused-norm calls for compute-sanitizer on a GPU machine (not a
+"""Odd-sized calls of every kernel family for compute-sanitizer on a GPU machine (not a
 pytest module):
 
     compute-sanitizer --tool memcheck  python tests/sanitizer_cases.py
@@ -8,9 +8,12 @@ Scan: the narrow and wide forward kernels, the checkpoint replay and the backwar
 blocks, partial chunks, padded states, groups and fixed B/C. Norm: forward and backward (every
 gradient) on each kernel path: rows shorter than one 8-column slice, partial slices, rows held
 in registers and rows re-read (hidden past 16384, up to 65536), tiny groups, gate on either side,
-LayerNorm, many rows (dweight/dbias partial sums) and unaligned row strides. Causal conv1d:
-each kernel family and path, forward, backward and the decode step (CONV1D_CASES). Numerics are
-the pytest suites' job; this only has to drive every kernel path once."""
+LayerNorm, many rows (dweight/dbias partial sums), unaligned row strides, and the lean kernels
+with and without thread-block clusters. Selective-state decode step: both layouts, every state
+dtype, grouped and tied operands, indices with padding rows, unaligned states
+(STATE_UPDATE_CASES). Causal conv1d: each kernel family and path, forward, backward and the
+decode step (CONV1D_CASES). Numerics are the pytest suites' job; this only has to drive every
+kernel path once."""
 import torch
 
 import libssm
@@ -228,6 +231,7 @@ def main():
     torch.manual_seed(0)
     run_scan_cases()
     run_norm_cases()
+    run_state_update_cases()
     run_conv1d_cases()
 
 
