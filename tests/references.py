@@ -98,6 +98,23 @@ def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None,
     return y, h
 
 
+def reference_leaves(inputs, names, precision, grad):
+    """The inputs among `names` that are present, as CPU leaves in `precision` (requiring grad
+    when asked): what the torch formulas below are evaluated on."""
+    return {n: inputs[n].detach().to("cpu", precision).requires_grad_(grad)
+            for n in names if inputs.get(n) is not None}
+
+
+def leaf_gradients(leaves, pairs, precision):
+    """d<name> of every leaf for the loss sum(output * cotangent) over the (output, cotangent)
+    pairs whose cotangent is given; zeros for a leaf the loss does not reach."""
+    loss = sum((out * cot.detach().to("cpu", precision)).sum() for out, cot in pairs
+               if cot is not None)
+    names = list(leaves)
+    grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+    return {"d" + n: torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(names, grads)}
+
+
 INPUT_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
 GRAD_NAMES = tuple("d" + n for n in INPUT_NAMES)
 
@@ -111,22 +128,12 @@ def reference_outputs(inputs, delta_softplus, dout=None, dlast_state=None,
     With precision float64 this is the reference. With float32 it is a plain same-precision
     evaluation: the error a straightforward fp32-state implementation makes, which the
     tolerance check uses as its baseline."""
-    leaves = {}
-    for name in INPUT_NAMES:
-        x = inputs.get(name)
-        if x is not None:
-            leaves[name] = x.detach().to("cpu", precision).requires_grad_(dout is not None)
+    leaves = reference_leaves(inputs, INPUT_NAMES, precision, dout is not None)
     with torch.set_grad_enabled(dout is not None):
         out, last = selective_scan_torch(delta_softplus=delta_softplus, **leaves)
     result = {"out": out.detach(), "last_state": last.detach()}
     if dout is not None:
-        loss = (out * dout.detach().to("cpu", precision)).sum()
-        if dlast_state is not None:
-            loss = loss + (last * dlast_state.detach().to("cpu", precision)).sum()
-        names = list(leaves)
-        grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
-        for n, g in zip(names, grads):
-            result["d" + n] = torch.zeros_like(leaves[n]) if g is None else g
+        result.update(leaf_gradients(leaves, [(out, dout), (last, dlast_state)], precision))
     return result
 
 
@@ -378,24 +385,14 @@ def norm_reference(inputs, options, dy=None, dresidual_out=None, precision=torch
 
     With precision float64 this is the reference; with float32 it is the plain same-precision
     evaluation the tolerance check takes as its baseline."""
-    leaves = {}
-    for name in NORM_INPUT_NAMES:
-        a = inputs.get(name)
-        if a is not None:
-            leaves[name] = a.detach().to("cpu", precision).requires_grad_(dy is not None)
+    leaves = reference_leaves(inputs, NORM_INPUT_NAMES, precision, dy is not None)
     with torch.set_grad_enabled(dy is not None):
         y, s, mean, rstd = norm_torch(**leaves, **options)
     result = {"y": y.detach(), "residual_out": s.detach(), "rstd": rstd.detach()}
     if mean is not None:
         result["mean"] = mean.detach()
     if dy is not None:
-        loss = (y * dy.detach().to("cpu", precision)).sum()
-        if dresidual_out is not None:
-            loss = loss + (s * dresidual_out.detach().to("cpu", precision)).sum()
-        names = list(leaves)
-        grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
-        for n, g in zip(names, grads):
-            result["d" + n] = torch.zeros_like(leaves[n]) if g is None else g
+        result.update(leaf_gradients(leaves, [(y, dy), (s, dresidual_out)], precision))
     return result
 
 
@@ -762,11 +759,7 @@ def conv1d_reference(inputs, silu, dout=None, dfinal_states=None, precision=torc
 
     With precision float64 this is the reference; with float32 it is the plain same-precision
     evaluation that assert_close takes as its baseline."""
-    leaves = {}
-    for name in CONV1D_INPUT_NAMES:
-        a = inputs.get(name)
-        if a is not None:
-            leaves[name] = a.detach().to("cpu", precision).requires_grad_(dout is not None)
+    leaves = reference_leaves(inputs, CONV1D_INPUT_NAMES, precision, dout is not None)
     seq_idx = inputs.get("seq_idx")
     seq_idx = None if seq_idx is None else seq_idx.cpu()
     with torch.set_grad_enabled(dout is not None):
@@ -774,13 +767,7 @@ def conv1d_reference(inputs, silu, dout=None, dfinal_states=None, precision=torc
                                   leaves.get("initial_states"), seq_idx, silu)
     result = {"out": out.detach(), "final_states": final.detach()}
     if dout is not None:
-        loss = (out * dout.detach().to("cpu", precision)).sum()
-        if dfinal_states is not None:
-            loss = loss + (final * dfinal_states.detach().to("cpu", precision)).sum()
-        names = list(leaves)
-        grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
-        for n, g in zip(names, grads):
-            result["d" + n] = torch.zeros_like(leaves[n]) if g is None else g
+        result.update(leaf_gradients(leaves, [(out, dout), (final, dfinal_states)], precision))
     return result
 
 
