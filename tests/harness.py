@@ -133,3 +133,32 @@ def capture_cuda_graph(step, warmup=2):
     with torch.cuda.graph(graph):
         result = step()
     return graph, result
+
+
+def fresh_leaves(inputs, requires_grad=True, names=None):
+    """A copy of `inputs` whose tensors among `names` (default: every one present) are fresh
+    leaves; `requires_grad` is True, False or a set of names."""
+    result = dict(inputs)
+    for name in inputs if names is None else names:
+        x = inputs[name]
+        if x is not None:
+            want = requires_grad if isinstance(requires_grad, bool) else name in requires_grad
+            result[name] = x.detach().clone().requires_grad_(want)
+    return result
+
+
+def check_compiled_matches_eager(block, inputs, args_of, cotangents, grad_names, backend,
+                                 fwd_tol, grad_tol, names=None):
+    """torch.compile(block, fullgraph=True) against eager on fresh leaves of `inputs` (names as in
+    fresh_leaves): the same outputs within fwd_tol, and, after backward with `cotangents`, the
+    same gradients of grad_names within grad_tol; tolerances are (rtol, atol)."""
+    x_eager, x_comp = fresh_leaves(inputs, names=names), fresh_leaves(inputs, names=names)
+    eager = block(*args_of(x_eager))
+    compiled = torch.compile(block, fullgraph=True, backend=backend)(*args_of(x_comp))
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=fwd_tol[0], atol=fwd_tol[1])
+    torch.autograd.backward(list(eager), list(cotangents))
+    torch.autograd.backward(list(compiled), list(cotangents))
+    for n in grad_names:
+        torch.testing.assert_close(x_comp[n].grad, x_eager[n].grad, rtol=grad_tol[0],
+                                   atol=grad_tol[1])

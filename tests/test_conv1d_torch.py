@@ -10,7 +10,8 @@ import libssm
 import libssm.torch as ssm_torch
 from conv1d_harness import (BASE, FULL, PACKED, UPDATE_BASE, case_id, make_update_inputs,
                             reference_backward, reference_forward, reference_update, to_cpu)
-from harness import DTYPE_IDS, DTYPES, capture_cuda_graph
+from harness import (DTYPE_IDS, DTYPES, capture_cuda_graph, check_compiled_matches_eager,
+                     fresh_leaves)
 from references import (assert_close, conv1d_update_numpy, make_conv1d_cotangents,
                         make_conv1d_inputs)
 
@@ -29,15 +30,8 @@ FLOAT_INPUTS = ("x", "weight", "bias", "initial_states")
 
 
 def leaves(inputs, requires_grad=True):
-    """Fresh leaf tensors of the float inputs; `requires_grad` is True, False or a set of
-    names. seq_idx is kept as it is."""
-    result = dict(inputs)
-    for name in FLOAT_INPUTS:
-        x = inputs[name]
-        if x is not None:
-            want = requires_grad if isinstance(requires_grad, bool) else name in requires_grad
-            result[name] = x.detach().clone().requires_grad_(want)
-    return result
+    """Fresh leaf tensors of the float inputs (seq_idx kept as it is)."""
+    return fresh_leaves(inputs, requires_grad, FLOAT_INPUTS)
 
 
 def call(case, x, **extra):
@@ -220,16 +214,10 @@ def block_args(x):
 def compile_and_compare(device, seed, backend="inductor"):
     case = PACKED.replace(initial_states=True)
     inputs = make_conv1d_inputs(case, torch.float32, seed, device=device)
-    x_eager, x_comp = leaves(inputs), leaves(inputs)
-    eager = conv_block(*block_args(x_eager))
-    compiled = torch.compile(conv_block, fullgraph=True, backend=backend)(*block_args(x_comp))
-    for e, c in zip(eager, compiled):
-        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
-    dout, dfinal = make_conv1d_cotangents(case, torch.float32, seed, device=device)
-    torch.autograd.backward(list(eager), [dout, dfinal])
-    torch.autograd.backward(list(compiled), [dout, dfinal])
-    for n in FLOAT_INPUTS:
-        torch.testing.assert_close(x_comp[n].grad, x_eager[n].grad, rtol=1e-4, atol=1e-5)
+    check_compiled_matches_eager(conv_block, inputs, block_args,
+                                 make_conv1d_cotangents(case, torch.float32, seed, device=device),
+                                 FLOAT_INPUTS, backend, (1e-5, 1e-5), (1e-4, 1e-5),
+                                 names=FLOAT_INPUTS)
 
 
 def test_compile_fullgraph_matches_eager(seed, fresh_compile):

@@ -8,7 +8,8 @@ import torch
 
 import libssm
 import libssm.torch as ssm_torch
-from harness import DTYPE_IDS, DTYPES, capture_cuda_graph
+from harness import (DTYPE_IDS, DTYPES, capture_cuda_graph, check_compiled_matches_eager,
+                     fresh_leaves)
 from norm_harness import BASE, GATED, LAYER, case_id, reference_backward, reference_forward, to_cpu
 from references import (NORM_INPUT_NAMES, assert_close, make_norm_cotangents, make_norm_inputs,
                         norm_numpy)
@@ -26,17 +27,6 @@ GRAD_ROWS = [
     GATED.replace(residual=False, prenorm=False),
     BASE.replace(residual=True),
 ]
-
-
-def leaves(inputs, requires_grad=True):
-    """Fresh leaf tensors; `requires_grad` is True, False or a set of input names."""
-    result = {}
-    for name, x in inputs.items():
-        if x is not None:
-            want = requires_grad if isinstance(requires_grad, bool) else name in requires_grad
-            x = x.detach().clone().requires_grad_(want)
-        result[name] = x
-    return result
 
 
 def call(case, x, **extra):
@@ -65,7 +55,7 @@ def check_grads(case, inputs, x, dy, dres, names=NORM_INPUT_NAMES):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 def test_gradients_of_every_input(case, dtype, seed):
     inputs = make_norm_inputs(case, dtype, seed)
-    x = leaves(inputs)
+    x = fresh_leaves(inputs)
     result = call(case, x)
     y, residual_out = result if case.prenorm else (result, None)
     refs = reference_forward(case, inputs)
@@ -89,7 +79,7 @@ def test_float32_residual_stream(dtype, seed):
     inputs = make_norm_inputs(case, dtype, seed, dtypes={"residual": torch.float32,
                                                          "weight": torch.float32,
                                                          "bias": torch.float32})
-    x = leaves(inputs)
+    x = fresh_leaves(inputs)
     y, residual_out = call(case, x, residual_dtype=torch.float32)
     assert residual_out.dtype == torch.float32 and y.dtype == dtype
     dy, dres = make_norm_cotangents(case, dtype, seed, dresidual_dtype=torch.float32)
@@ -102,7 +92,7 @@ def test_loss_on_residual_out_only(seed):
     # weight, bias and z receive zero gradients (or none).
     case = GATED.replace(bias=True)
     inputs = make_norm_inputs(case, torch.float32, seed)
-    x = leaves(inputs)
+    x = fresh_leaves(inputs)
     _, residual_out = call(case, x)
     _, dres = make_norm_cotangents(case, torch.float32, seed)
     residual_out.backward(dres)
@@ -115,7 +105,7 @@ def test_loss_on_residual_out_only(seed):
 def test_some_inputs_require_grad(seed):
     case = GATED.replace(bias=True)
     inputs = make_norm_inputs(case, torch.float32, seed)
-    x = leaves(inputs, requires_grad={"weight", "z"})
+    x = fresh_leaves(inputs, requires_grad={"weight", "z"})
     y, residual_out = call(case, x)
     dy, _ = make_norm_cotangents(case, torch.float32, seed)
     y.backward(dy)
@@ -254,7 +244,7 @@ def op_forward_args(case, inputs, residual_dtype=None):
 
 @pytest.mark.parametrize("case", OPCHECK_ROWS, ids=case_id)
 def test_opcheck_forward(case, seed):
-    x = leaves(make_norm_inputs(case, torch.float32, seed))
+    x = fresh_leaves(make_norm_inputs(case, torch.float32, seed))
     torch.library.opcheck(torch.ops.libssm.norm_fwd.default, op_forward_args(case, x))
 
 
@@ -307,17 +297,9 @@ def fresh_compile():
 def compile_and_compare(device, seed, backend="inductor"):
     case = GATED.replace(bias=True)
     inputs = make_norm_inputs(case, torch.float32, seed, device=device)
-    x_eager, x_comp = leaves(inputs), leaves(inputs)
-    eager = norm_block(*(x_eager[n] for n in NORM_INPUT_NAMES))
-    compiled = torch.compile(norm_block, fullgraph=True, backend=backend)(
-        *(x_comp[n] for n in NORM_INPUT_NAMES))
-    for e, c in zip(eager, compiled):
-        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
-    dy, dres = make_norm_cotangents(case, torch.float32, seed, device=device)
-    torch.autograd.backward(list(eager), [dy, dres])
-    torch.autograd.backward(list(compiled), [dy, dres])
-    for n in NORM_INPUT_NAMES:
-        torch.testing.assert_close(x_comp[n].grad, x_eager[n].grad, rtol=1e-4, atol=1e-5)
+    check_compiled_matches_eager(norm_block, inputs, lambda x: [x[n] for n in NORM_INPUT_NAMES],
+                                 make_norm_cotangents(case, torch.float32, seed, device=device),
+                                 NORM_INPUT_NAMES, backend, (1e-5, 1e-5), (1e-4, 1e-5))
 
 
 def test_compile_fullgraph_matches_eager(seed, fresh_compile):
@@ -396,7 +378,7 @@ def test_compile_module(seed, fresh_compile):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 def test_cuda_gradients_of_every_input(case, dtype, seed):
     inputs = make_norm_inputs(case, dtype, seed, device="cuda")
-    x = leaves(inputs)
+    x = fresh_leaves(inputs)
     y, residual_out = call(case, x)
     dy, dres = make_norm_cotangents(case, dtype, seed, device="cuda")
     torch.autograd.backward([y, residual_out], [dy, dres])
@@ -428,7 +410,7 @@ def test_cuda_graph_capture_and_replay(seed):
     case = GATED.replace(bias=True, lead=(40,), hidden=1024, group_size=256)
     first = make_norm_inputs(case, torch.float32, seed, device="cuda")
     second = make_norm_inputs(case, torch.float32, seed + 1, device="cuda")
-    static = leaves(first)
+    static = fresh_leaves(first)
     names = list(NORM_INPUT_NAMES)
     dy, dres = make_norm_cotangents(case, torch.float32, seed, device="cuda")
 

@@ -9,22 +9,12 @@ import libssm
 import libssm.torch as ssm_torch
 from references import (INPUT_NAMES, assert_close, make_cotangents, make_inputs,
                         reference_outputs)
-from harness import DTYPE_IDS, DTYPES, capture_cuda_graph
+from harness import (DTYPE_IDS, DTYPES, capture_cuda_graph, check_compiled_matches_eager,
+                     fresh_leaves)
 from scan_harness import FULL, case_id, check_backward, check_forward
 
 GRAD_ROWS = [FULL, FULL.replace(B_form="group", C_form="group", groups=3),
              FULL.replace(B_form="fixed", C_form="var"), FULL.replace(seqlen=1)]
-
-
-def leaves(inputs, requires_grad=True):
-    """Fresh leaf tensors; `requires_grad` is True, False or a set of input names."""
-    result = {}
-    for name, x in inputs.items():
-        if x is not None:
-            want = requires_grad if isinstance(requires_grad, bool) else name in requires_grad
-            x = x.detach().clone().requires_grad_(want)
-        result[name] = x
-    return result
 
 
 def call(case, x, return_last_state=None):
@@ -42,7 +32,7 @@ def grads_of(x):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 def test_gradients_of_every_input(case, dtype, seed):
     inputs = make_inputs(case, dtype, seed)
-    x = leaves(inputs)
+    x = fresh_leaves(inputs)
     out, last_state = call(case, x)
     check_forward(case, inputs, out.detach(), last_state.detach())
     dout, dlast = make_cotangents(case, dtype, seed)
@@ -53,7 +43,7 @@ def test_gradients_of_every_input(case, dtype, seed):
 def test_loss_on_last_state_only(seed):
     case = FULL
     inputs = make_inputs(case, torch.float32, seed)
-    x = leaves(inputs)
+    x = fresh_leaves(inputs)
     _, last_state = call(case, x)
     _, dlast = make_cotangents(case, torch.float32, seed)
     (last_state * dlast).sum().backward()
@@ -63,7 +53,7 @@ def test_loss_on_last_state_only(seed):
 def test_loss_on_out_only_with_last_state_returned(seed):
     case = FULL
     inputs = make_inputs(case, torch.bfloat16, seed)
-    x = leaves(inputs)
+    x = fresh_leaves(inputs)
     out, _ = call(case, x)
     dout, _ = make_cotangents(case, torch.bfloat16, seed)
     out.backward(dout)
@@ -74,7 +64,7 @@ def test_some_inputs_require_grad(seed):
     # Only the inputs that ask for a gradient get one, and those are right.
     case = FULL
     inputs = make_inputs(case, torch.float32, seed)
-    x = leaves(inputs, requires_grad={"B", "D", "initial_state"})
+    x = fresh_leaves(inputs, requires_grad={"B", "D", "initial_state"})
     out, last_state = call(case, x)
     dout, dlast = make_cotangents(case, torch.float32, seed)
     torch.autograd.backward([out, last_state], [dout, dlast])
@@ -108,7 +98,7 @@ def test_no_options_and_no_last_state(seed):
     case = FULL.replace(D=False, z=False, delta_bias=False, softplus=False, initial_state=False,
                         last_state=False)
     inputs = make_inputs(case, torch.float32, seed)
-    x = leaves(inputs)
+    x = fresh_leaves(inputs)
     out = call(case, x)
     assert isinstance(out, torch.Tensor)
     dout, _ = make_cotangents(case, torch.float32, seed)
@@ -146,7 +136,7 @@ OPCHECK_ROWS = [FULL.replace(seqlen=9),
 
 @pytest.mark.parametrize("case", OPCHECK_ROWS, ids=case_id)
 def test_opcheck_forward(case, seed):
-    x = leaves(make_inputs(case, torch.float32, seed))
+    x = fresh_leaves(make_inputs(case, torch.float32, seed))
     torch.library.opcheck(torch.ops.libssm.selective_scan_fwd.default, op_args(case, x))
 
 
@@ -187,20 +177,10 @@ def fresh_compile():
 
 
 def compile_and_compare(device, seed, backend="inductor"):
-    case = FULL
-    inputs = make_inputs(case, torch.float32, seed, device=device)
-    names = list(INPUT_NAMES)
-    x_eager, x_comp = leaves(inputs), leaves(inputs)
-    eager = scan_block(*(x_eager[n] for n in names))
-    compiled_fn = torch.compile(scan_block, fullgraph=True, backend=backend)
-    compiled = compiled_fn(*(x_comp[n] for n in names))
-    for e, c in zip(eager, compiled):
-        torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6)
-    dout, dlast = make_cotangents(case, torch.float32, seed, device=device)
-    torch.autograd.backward(list(eager), [dout, dlast])
-    torch.autograd.backward(list(compiled), [dout, dlast])
-    for n in names:
-        torch.testing.assert_close(x_comp[n].grad, x_eager[n].grad, rtol=1e-5, atol=1e-5)
+    inputs = make_inputs(FULL, torch.float32, seed, device=device)
+    check_compiled_matches_eager(scan_block, inputs, lambda x: [x[n] for n in INPUT_NAMES],
+                                 make_cotangents(FULL, torch.float32, seed, device=device),
+                                 INPUT_NAMES, backend, (1e-6, 1e-6), (1e-5, 1e-5))
 
 
 def test_compile_fullgraph_matches_eager(seed, fresh_compile):
@@ -265,7 +245,7 @@ def test_compile_generic_api_fullgraph(seed, fresh_compile):
 def test_cuda_gradients_of_every_input(dtype, seed):
     case = FULL.replace(seqlen=300, dim=33, dstate=17)
     inputs = make_inputs(case, dtype, seed, device="cuda")
-    x = leaves(inputs)
+    x = fresh_leaves(inputs)
     out, last_state = call(case, x)
     dout, dlast = make_cotangents(case, dtype, seed, device="cuda")
     torch.autograd.backward([out, last_state], [dout, dlast])
@@ -289,7 +269,7 @@ def test_cuda_graph_capture_and_replay(seed):
     case = FULL.replace(seqlen=200)
     first = make_inputs(case, torch.float32, seed, device="cuda")
     second = make_inputs(case, torch.float32, seed + 1, device="cuda")
-    static = leaves(first)
+    static = fresh_leaves(first)
     names = list(INPUT_NAMES)
     dout, dlast = make_cotangents(case, torch.float32, seed, device="cuda")
 
