@@ -1,6 +1,6 @@
 """pytest setup for libssm's suites: the `cuda` marker (tests that need a GPU and a libssm built
-with CUDA; skipped, with the reason, when either is missing) and shared fixtures (seeds, and
-the external tools some tests need)."""
+with CUDA; skipped, with the reason, when either is missing) and shared fixtures (seeds, the
+external tools some tests need, and a clean torch.compile state)."""
 import os
 import shutil
 import sys
@@ -66,3 +66,15 @@ def require_tools():
             pytest.fail(reason + "; CI=true, so this is a failure, not a skip")
         pytest.skip(reason)
     return require
+
+
+@pytest.fixture
+def fresh_compile():
+    """No compiled artifact from an earlier run: torch's on-disk caches do not key on the
+    custom ops' Python autograd formulas, so a cached backward could hide a change to one."""
+    import torch  # only the torch suites ask for this; the others run without torch
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+    torch._dynamo.reset()

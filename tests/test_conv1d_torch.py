@@ -197,16 +197,6 @@ def conv_block(x, weight, bias, initial_states, seq_idx):
     return torch.tanh(out) + 1.0, final * 0.5
 
 
-@pytest.fixture
-def fresh_compile():
-    """No compiled artifact from an earlier run: torch's on-disk caches do not key on the
-    custom op's Python autograd formula."""
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
-
-
 def block_args(x):
     return (x["x"], x["weight"], x["bias"], x["initial_states"], x["seq_idx"])
 

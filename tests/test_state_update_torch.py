@@ -90,13 +90,6 @@ def decode_two_steps(state, x, dt, A, B, C, D, z, dt_bias, idx):
     return y1 + 1.0, y2 * 2.0
 
 
-@pytest.fixture
-def fresh_compile():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def compile_and_compare(case, device, seed, backend, dynamic=None, batches=None):
     compiled_fn = torch.compile(decode_two_steps, fullgraph=True, backend=backend,
                                 dynamic=dynamic)

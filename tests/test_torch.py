@@ -166,16 +166,6 @@ def scan_block(u, delta, A, B, C, D, z, delta_bias, initial_state):
     return torch.tanh(out) + 1.0, last_state * 0.5
 
 
-@pytest.fixture
-def fresh_compile():
-    """No compiled artifact from an earlier run: torch's on-disk caches do not key on the
-    custom op's Python autograd formula, so a cached backward could hide a change to it."""
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
-
-
 def compile_and_compare(device, seed, backend="inductor"):
     inputs = make_inputs(FULL, torch.float32, seed, device=device)
     check_compiled_matches_eager(scan_block, inputs, lambda x: [x[n] for n in INPUT_NAMES],
