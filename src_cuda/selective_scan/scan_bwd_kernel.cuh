@@ -63,10 +63,13 @@ __device__ __forceinline__ void atomic_add4(float* dst, float4 v) {
 template <int kNpad, int kNS>
 using BwdTraits = ScanTraits<kNpad, 128, kNS, scan_chunk_steps(kNpad)>;
 
-template <int kNpad, int kStates>
-__global__ void __launch_bounds__(BwdTraits<kNpad, kStates>::kThreads)
-selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __restrict__ checkpoints,
-                          const BwdAccumulators acc) {
+// The whole backward of a block. kVarBC: B and C both variable, so the steps read both from
+// shared memory with no fixed-form branch and keep no fixed-form sums (the branches cost
+// predicated moves at every step, the sums two adds a state update and 8 registers).
+template <int kNpad, int kStates, bool kVarBC>
+__device__ __forceinline__ void scan_bwd_block(const ScanArgs& a, const ScanGrid& g,
+                                               const float* __restrict__ checkpoints,
+                                               const BwdAccumulators& acc) {
   using Tr = BwdTraits<kNpad, kStates>;
   constexpr int kNS = Tr::kNS, kT = Tr::kT, kV = 2 * kNS;
   using Reduce = WarpChannelReduce<Tr::kW, Tr::kP, kV>;
@@ -140,30 +143,26 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
 #pragma unroll
       for (int j = 0; j < kNS; ++j) dA_c[j] = dBfix_c[j] = dCfix_c[j] = 0.f;
 
-      // Recompute h_(t-1) for every step of the chunk.
-      float hs[kT][kNS];
-      {
-        float h[kNS];
+      // Recompute the states of the chunk: hs[s] = h before step s, hs[kT] the chunk end, so
+      // the adjoint reads h_t as hs[s + 1] instead of updating the state again.
+      float hs[kT + 1][kNS];
 #pragma unroll
-        for (int j = 0; j < kNS; ++j) h[j] = hstart[j];
-        if (chunk > 0) load_checkpoint(chunk - 1, hstart);
+      for (int j = 0; j < kNS; ++j) hs[0][j] = hstart[j];
+      if (chunk > 0) load_checkpoint(chunk - 1, hstart);
 #pragma unroll
-        for (int s = 0; s < kT; ++s) {
-          const float dt = sdt[pl.c * Tr::kChanPitch + s];
-          const float dtu = dt * su[pl.c * Tr::kChanPitch + s];
-          float bv[kNS];
-          if (a.B_fixed) {
+      for (int s = 0; s < kT; ++s) {
+        const float dt = sdt[pl.c * Tr::kChanPitch + s];
+        const float dtu = dt * su[pl.c * Tr::kChanPitch + s];
+        float bv[kNS];
+        if (!kVarBC && a.B_fixed) {
 #pragma unroll
-            for (int j = 0; j < kNS; ++j) bv[j] = k.Bfix[j];
-          } else {
-            load_states(bv, sB + s * Tr::kBCPitch + n0);
-          }
-#pragma unroll
-          for (int j = 0; j < kNS; ++j) {
-            hs[s][j] = h[j];
-            h[j] = fmaf(exp2_approx(dt * k.A2[j]), h[j], dtu * bv[j]);
-          }
+          for (int j = 0; j < kNS; ++j) bv[j] = k.Bfix[j];
+        } else {
+          load_states(bv, sB + s * Tr::kBCPitch + n0);
         }
+#pragma unroll
+        for (int j = 0; j < kNS; ++j)
+          hs[s + 1][j] = fmaf(exp2_approx(dt * k.A2[j]), hs[s][j], dtu * bv[j]);
       }
 
 #pragma unroll
@@ -173,38 +172,41 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
         const float dy = sdy[pl.c * Tr::kChanPitch + s];
         const float dtu = dt * u;
         float bv[kNS], cv[kNS];
-        if (a.B_fixed) {
+        if (!kVarBC && a.B_fixed) {
 #pragma unroll
           for (int j = 0; j < kNS; ++j) bv[j] = k.Bfix[j];
         } else {
           load_states(bv, sB + s * Tr::kBCPitch + n0);
         }
-        if (a.C_fixed) {
+        if (!kVarBC && a.C_fixed) {
 #pragma unroll
           for (int j = 0; j < kNS; ++j) cv[j] = k.Cfix[j];
         } else {
           load_states(cv, sC + s * Tr::kBCPitch + n0);
         }
-        float ddt = 0.f, dus = 0.f, y = 0.f;
+        // ddt = sum_n m (B u + h_(t-1) exp(dt A) A) = u * dus + sum_n w A with
+        // w = m h_(t-1) exp(dt A), the factor dA shares: the epilogue adds u * dus once a step.
+        float ddtA = 0.f, dus = 0.f, y = 0.f;
         float v[kV];
 #pragma unroll
         for (int j = 0; j < kNS; ++j) {
           const float da = exp2_approx(dt * k.A2[j]);
-          const float hp = hs[s][j];
-          const float h = fmaf(da, hp, dtu * bv[j]);
+          const float h = hs[s + 1][j];
           const float m = fmaf(cv[j], dy, mu[j]);  // dL/dh_t
-          const float hpa = hp * da;
-          ddt = fmaf(m, fmaf(bv[j], u, hpa * k.A[j]), ddt);
+          const float w = m * (hs[s][j] * da);
+          ddtA = fmaf(w, k.A[j], ddtA);
           dus = fmaf(m, bv[j], dus);
-          dA_c[j] = fmaf(m * hpa, dt, dA_c[j]);
+          dA_c[j] = fmaf(w, dt, dA_c[j]);
           y = fmaf(cv[j], h, y);
           v[j] = m * dtu;      // dB
           v[kNS + j] = dy * h; // dC
-          dBfix_c[j] += v[j];
-          dCfix_c[j] += v[kNS + j];
+          if (!kVarBC) {
+            dBfix_c[j] += v[j];
+            dCfix_c[j] += v[kNS + j];
+          }
           mu[j] = m * da;
         }
-        sddt[s * Tr::kPartPitch + threadIdx.x] = ddt;
+        sddt[s * Tr::kPartPitch + threadIdx.x] = ddtA;
         sdu[s * Tr::kPartPitch + threadIdx.x] = dus;
         sy[s * Tr::kPartPitch + threadIdx.x] = y;
         if (var_bc) {
@@ -255,15 +257,16 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
         if (!In::slot_valid(a, pl, m, t0)) continue;
         const int c = In::slot_channel(m), s = In::slot_step(m);
         const int64_t d = pl.chan0 + c;
-        float ddt = 0.f, dus = 0.f, y = 0.f;
+        float ddtA = 0.f, dus = 0.f, y = 0.f;
 #pragma unroll
         for (int q = 0; q < Tr::kP; ++q) {
           const int src = s * Tr::kPartPitch + c * Tr::kP + q;
-          ddt += sddt[src];
+          ddtA += sddt[src];
           dus += sdu[src];
           y += sy[src];
         }
         const float dt = sdt[c * Tr::kChanPitch + s], u = su[c * Tr::kChanPitch + s];
+        const float ddt = fmaf(u, dus, ddtA);
         const float dy = sdy[c * Tr::kChanPitch + s];
         if (a.du.data)
           store_from_float(a.du.data, pl.seq_index(a.du, d, t0 + s), a.du.dtype, fmaf(dt, dus, Dv[m] * dy));
@@ -312,11 +315,19 @@ selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __res
           store_from_float(a.dinitial_state.data, pl.state_index(a.dinitial_state, n),
                            a.dinitial_state.dtype, mu[j]);
         if (acc.dA) atomicAdd(acc.dA + pl.d * a.dstate + n, dA[j]);
-        if (a.B_fixed && acc.dB) atomicAdd(acc.dB + pl.d * a.dstate + n, dBfix[j]);
-        if (a.C_fixed && acc.dC) atomicAdd(acc.dC + pl.d * a.dstate + n, dCfix[j]);
+        if (!kVarBC && a.B_fixed && acc.dB) atomicAdd(acc.dB + pl.d * a.dstate + n, dBfix[j]);
+        if (!kVarBC && a.C_fixed && acc.dC) atomicAdd(acc.dC + pl.d * a.dstate + n, dCfix[j]);
       }
     }
   }
+}
+
+template <int kNpad, int kStates>
+__global__ void __launch_bounds__(BwdTraits<kNpad, kStates>::kThreads)
+selective_scan_bwd_kernel(const ScanArgs a, const ScanGrid g, const float* __restrict__ checkpoints,
+                          const BwdAccumulators acc) {
+  if (!a.B_fixed && !a.C_fixed) scan_bwd_block<kNpad, kStates, true>(a, g, checkpoints, acc);
+  else scan_bwd_block<kNpad, kStates, false>(a, g, checkpoints, acc);
 }
 
 template <int kNpad, int kNS>

@@ -26,7 +26,10 @@ __device__ __forceinline__ float softplus(float x) {
   return x <= 20.f ? log1pf(expf(x)) : x;
 }
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// The gate runs once per (channel, step) in both kernels; the special-function-unit forms cost
+// ~4 instructions where expf and an IEEE division cost ~25, for a few ulp (far inside the
+// tests' float32 bound). A huge -x gives 1 / inf = 0, the limit.
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 
 template <typename Tr>
 struct BlockPlace {
@@ -54,6 +57,10 @@ struct BlockPlace {
 
   __device__ int64_t seq_index(const TensorRef& t, int64_t chan, int64_t step) const {
     return b * t.stride[0] + chan * t.stride[1] + step * t.stride[2];
+  }
+  // B or C (batch, groups, dstate, seqlen) element of group `grp`.
+  __device__ int64_t bc_index(const TensorRef& t, int64_t grp, int n, int64_t step) const {
+    return b * t.stride[0] + grp * t.stride[1] + n * t.stride[2] + step * t.stride[3];
   }
   __device__ int64_t state_index(const TensorRef& t, int n) const {
     return b * t.stride[0] + d * t.stride[1] + n * t.stride[2];
@@ -83,20 +90,39 @@ struct StateConsts {
   }
 };
 
-// Loads K elements of one tensor as raw bits (a float32's bits, or a 16-bit value in the low
-// half). Converting right after the load would make the thread wait for it there; raw bits let
-// every load of a chunk stay in flight until the chunk is written to shared memory.
+// Loads K elements of one tensor, element k at base + k * step, as raw bits (a float32's bits, or
+// a 16-bit value in the low half). Converting right after the load would make the thread wait for
+// it there; raw bits let every load of a chunk stay in flight until the chunk is written to
+// shared memory.
 template <int K>
-__device__ __forceinline__ void gather_raw(const void* p, Dtype dtype, const int64_t (&idx)[K],
+__device__ __forceinline__ void gather_raw(const void* p, Dtype dtype, int64_t base, int64_t step,
                                            const bool (&ok)[K], uint32_t (&out)[K]) {
   if (dtype == Dtype::F32) {
-    const uint32_t* q = static_cast<const uint32_t*>(p);
+    const uint32_t* q = static_cast<const uint32_t*>(p) + base;
 #pragma unroll
-    for (int k = 0; k < K; ++k) out[k] = ok[k] ? q[idx[k]] : 0u;
+    for (int k = 0; k < K; ++k) out[k] = ok[k] ? q[k * step] : 0u;
   } else {
-    const uint16_t* q = static_cast<const uint16_t*>(p);
+    const uint16_t* q = static_cast<const uint16_t*>(p) + base;
 #pragma unroll
-    for (int k = 0; k < K; ++k) out[k] = ok[k] ? uint32_t(q[idx[k]]) : 0u;
+    for (int k = 0; k < K; ++k) out[k] = ok[k] ? uint32_t(q[k * step]) : 0u;
+  }
+}
+
+// Converts raw bits of one dtype to float, with the dtype branch taken once for all K values
+// (per element it compiled to a jump table around every conversion).
+template <int K>
+__device__ __forceinline__ void raw_to_floats(const uint32_t (&raw)[K], Dtype dtype,
+                                              float (&out)[K]) {
+  if (dtype == Dtype::F32) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) out[k] = __uint_as_float(raw[k]);
+  } else if (dtype == Dtype::F16) {
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      out[k] = __half2float(__ushort_as_half(static_cast<unsigned short>(raw[k])));
+  } else {
+#pragma unroll
+    for (int k = 0; k < K; ++k) out[k] = __uint_as_float(raw[k] << 16);
   }
 }
 
@@ -107,24 +133,40 @@ __device__ __forceinline__ float raw_to_float(uint32_t raw, Dtype dtype) {
 }
 
 // One chunk's inputs held in registers. Each chunk is loaded while the previous one computes,
-// so global-memory latency hides behind arithmetic instead of stalling every chunk.
-//   B/C element k of a thread: i = threadIdx.x + k * kThreads -> step i % kT, state i / kT
-//     (steps fastest: global reads follow the sequence stride).
-//   Slot m of a thread:        i = threadIdx.x + m * kThreads -> channel i / kT, step i % kT;
-//     the epilogue uses the same slots, so a thread keeps its slots' values in registers.
+// so global-memory latency hides behind arithmetic instead of stalling every chunk. kThreads is
+// a multiple of kT, so a thread keeps one step s = threadIdx.x % kT and row r = threadIdx.x / kT:
+//   B/C element k: state r + k * kRows, step s (steps fastest: global reads follow the sequence
+//     stride);
+//   slot m:        channel r + m * kRows, step s; the epilogue uses the same slots, so a thread
+//     keeps its slots' values in registers.
+// Every element of a thread is then one per-chunk offset plus k times a block-uniform stride,
+// instead of a full 64-bit index product each (the v7 forward spent ~3 instructions a state
+// update on those, and spilled them).
 template <typename Tr>
 struct ChunkInputs {
+  static_assert(Tr::kThreads % Tr::kT == 0, "a thread keeps one step of every chunk");
+  static constexpr int kRows = Tr::kThreads / Tr::kT;
   static constexpr int kBCPer = (Tr::kT * Tr::kNpad + Tr::kThreads - 1) / Tr::kThreads;
   static constexpr int kSlots = (Tr::kK * Tr::kT + Tr::kThreads - 1) / Tr::kThreads;
   uint32_t b[kBCPer], c[kBCPer];
   uint32_t u[kSlots], delta[kSlots], z[kSlots], dout[kSlots];
 
+  __device__ float u_at(const ScanArgs& a, int m) const { return raw_to_float(u[m], a.u.dtype); }
   __device__ float z_at(const ScanArgs& a, int m) const { return raw_to_float(z[m], a.z.dtype); }
   __device__ float dout_at(const ScanArgs& a, int m) const {
     return raw_to_float(dout[m], a.dout.dtype);
   }
   __device__ float delta_at(const ScanArgs& a, int m) const {
     return raw_to_float(delta[m], a.delta.dtype);
+  }
+
+  __device__ static int step_of_thread() { return threadIdx.x % Tr::kT; }
+  __device__ static int row_of_thread() { return threadIdx.x / Tr::kT; }
+  __device__ static bool bc_exists(int k) {
+    return threadIdx.x + k * Tr::kThreads < Tr::kT * Tr::kNpad;
+  }
+  __device__ static bool slot_exists(int m) {
+    return threadIdx.x + m * Tr::kThreads < Tr::kK * Tr::kT;
   }
 
   // delta_bias and D of each slot's channel (0 where absent or padded).
@@ -134,7 +176,7 @@ struct ChunkInputs {
     for (int m = 0; m < kSlots; ++m) {
       const int c = slot_channel(m);
       const int64_t d = pl.chan0 + c;
-      const bool ok = threadIdx.x + m * Tr::kThreads < Tr::kK * Tr::kT && c < pl.nvalid;
+      const bool ok = slot_exists(m) && c < pl.nvalid;
       bias[m] = ok && a.delta_bias.data
                     ? static_cast<const float*>(a.delta_bias.data)[d * a.delta_bias.stride[0]] : 0.f;
       D[m] = ok && a.D.data ? static_cast<const float*>(a.D.data)[d * a.D.stride[0]] : 0.f;
@@ -142,90 +184,81 @@ struct ChunkInputs {
   }
 
   __device__ static bool slot_valid(const ScanArgs& a, const BlockPlace<Tr>& pl, int m, int64_t t0) {
-    const int i = threadIdx.x + m * Tr::kThreads;
-    return i < Tr::kK * Tr::kT && i / Tr::kT < pl.nvalid && t0 + i % Tr::kT < a.seqlen;
+    return slot_exists(m) && slot_channel(m) < pl.nvalid && t0 + step_of_thread() < a.seqlen;
   }
-  __device__ static int slot_channel(int m) { return (threadIdx.x + m * Tr::kThreads) / Tr::kT; }
-  __device__ static int slot_step(int m) { return (threadIdx.x + m * Tr::kThreads) % Tr::kT; }
+  __device__ static int slot_channel(int m) { return row_of_thread() + m * kRows; }
+  __device__ static int slot_step(int) { return step_of_thread(); }
 
   // `with_c`: stage C (the checkpoint replay does not need it); `with_dout`: backward inputs.
   __device__ void load(const ScanArgs& a, const BlockPlace<Tr>& pl, int64_t t0, bool with_c,
                        bool with_dout) {
-    int64_t idx[kBCPer];
-    bool ok[kBCPer];
+    const int64_t t = t0 + step_of_thread();
+    const bool step_ok = t < a.seqlen;
+    const int r = row_of_thread();
     if (!a.B_fixed || (with_c && !a.C_fixed)) {
+      bool ok[kBCPer];
 #pragma unroll
-      for (int k = 0; k < kBCPer; ++k) {
-        const int i = threadIdx.x + k * Tr::kThreads, s = i % Tr::kT, n = i / Tr::kT;
-        ok[k] = i < Tr::kT * Tr::kNpad && n < a.dstate && t0 + s < a.seqlen;
-        idx[k] = n * a.B.stride[2] + (t0 + s) * a.B.stride[3] + pl.b * a.B.stride[0] +
-                 pl.gB * a.B.stride[1];
-      }
-      if (!a.B_fixed) gather_raw(a.B.data, a.B.dtype, idx, ok, b);
-      if (with_c && !a.C_fixed) {
-#pragma unroll
-        for (int k = 0; k < kBCPer; ++k) {
-          const int i = threadIdx.x + k * Tr::kThreads, s = i % Tr::kT, n = i / Tr::kT;
-          idx[k] = n * a.C.stride[2] + (t0 + s) * a.C.stride[3] + pl.b * a.C.stride[0] +
-                   pl.gC * a.C.stride[1];
-        }
-        gather_raw(a.C.data, a.C.dtype, idx, ok, c);
-      }
+      for (int k = 0; k < kBCPer; ++k) ok[k] = bc_exists(k) && r + k * kRows < a.dstate && step_ok;
+      if (!a.B_fixed)
+        gather_raw(a.B.data, a.B.dtype, pl.bc_index(a.B, pl.gB, r, t), kRows * a.B.stride[2], ok,
+                   b);
+      if (with_c && !a.C_fixed)
+        gather_raw(a.C.data, a.C.dtype, pl.bc_index(a.C, pl.gC, r, t), kRows * a.C.stride[2], ok,
+                   c);
     }
-    int64_t sidx[kSlots];
     bool sok[kSlots];
 #pragma unroll
-    for (int m = 0; m < kSlots; ++m) {
-      sok[m] = slot_valid(a, pl, m, t0);
-      sidx[m] = pl.seq_index(a.u, pl.chan0 + slot_channel(m), t0 + slot_step(m));
-    }
-    gather_raw(a.u.data, a.u.dtype, sidx, sok, u);
-#pragma unroll
     for (int m = 0; m < kSlots; ++m)
-      sidx[m] = pl.seq_index(a.delta, pl.chan0 + slot_channel(m), t0 + slot_step(m));
-    gather_raw(a.delta.data, a.delta.dtype, sidx, sok, delta);
+      sok[m] = slot_exists(m) && r + m * kRows < pl.nvalid && step_ok;
+    const int64_t chan = pl.chan0 + r;
+    gather_raw(a.u.data, a.u.dtype, pl.seq_index(a.u, chan, t), kRows * a.u.stride[1], sok, u);
+    gather_raw(a.delta.data, a.delta.dtype, pl.seq_index(a.delta, chan, t),
+               kRows * a.delta.stride[1], sok, delta);
 #pragma unroll
     for (int m = 0; m < kSlots; ++m) z[m] = dout[m] = 0u;
-    if (a.z.data && (with_c || with_dout)) {
-#pragma unroll
-      for (int m = 0; m < kSlots; ++m)
-        sidx[m] = pl.seq_index(a.z, pl.chan0 + slot_channel(m), t0 + slot_step(m));
-      gather_raw(a.z.data, a.z.dtype, sidx, sok, z);
-    }
-    if (with_dout) {
-#pragma unroll
-      for (int m = 0; m < kSlots; ++m)
-        sidx[m] = pl.seq_index(a.dout, pl.chan0 + slot_channel(m), t0 + slot_step(m));
-      gather_raw(a.dout.data, a.dout.dtype, sidx, sok, dout);
-    }
+    if (a.z.data && (with_c || with_dout))
+      gather_raw(a.z.data, a.z.dtype, pl.seq_index(a.z, chan, t), kRows * a.z.stride[1], sok, z);
+    if (with_dout)
+      gather_raw(a.dout.data, a.dout.dtype, pl.seq_index(a.dout, chan, t),
+                 kRows * a.dout.stride[1], sok, dout);
   }
 
-  // Writes the chunk to shared memory: B/C rows [step][state], and per channel u and
-  // dt = (softplus)(delta + bias) at [c * kChanPitch + step]; with `sdy` also
+  // Writes the chunk to shared memory: B/C rows [step][state], and per channel at
+  // [c * kChanPitch + step] u and dt = (softplus)(delta + bias) (each where its pointer is set),
+  // (dt, dt * u) as one float2 with `sdtu` (what the forward's steps read), and with `sdy`
   // dy = dout * silu(z). `bias` holds delta_bias of each slot's channel.
   __device__ void store(const ScanArgs& a, const BlockPlace<Tr>& pl, int64_t t0,
                         const float (&bias)[kSlots], float* sB, float* sC, float* su, float* sdt,
-                        float* sdy) const {
-    if (!a.B_fixed || (sC && !a.C_fixed)) {
+                        float* sdy, float2* sdtu = nullptr) const {
+    const int s = step_of_thread(), r = row_of_thread();
+    if (!a.B_fixed) {
+      float v[kBCPer];
+      raw_to_floats(b, a.B.dtype, v);
 #pragma unroll
-      for (int k = 0; k < kBCPer; ++k) {
-        const int i = threadIdx.x + k * Tr::kThreads;
-        if (i >= Tr::kT * Tr::kNpad) break;
-        const int at = (i % Tr::kT) * Tr::kBCPitch + i / Tr::kT;
-        if (!a.B_fixed) sB[at] = raw_to_float(b[k], a.B.dtype);
-        if (sC && !a.C_fixed) sC[at] = raw_to_float(c[k], a.C.dtype);
-      }
+      for (int k = 0; k < kBCPer; ++k)
+        if (bc_exists(k)) sB[s * Tr::kBCPitch + r + k * kRows] = v[k];
     }
+    if (sC && !a.C_fixed) {
+      float v[kBCPer];
+      raw_to_floats(c, a.C.dtype, v);
+#pragma unroll
+      for (int k = 0; k < kBCPer; ++k)
+        if (bc_exists(k)) sC[s * Tr::kBCPitch + r + k * kRows] = v[k];
+    }
+    float uf[kSlots], df[kSlots];
+    raw_to_floats(u, a.u.dtype, uf);
+    raw_to_floats(delta, a.delta.dtype, df);
 #pragma unroll
     for (int m = 0; m < kSlots; ++m) {
-      const int i = threadIdx.x + m * Tr::kThreads;
-      if (i >= Tr::kK * Tr::kT) break;
-      const int at = slot_channel(m) * Tr::kChanPitch + slot_step(m);
-      float dt = raw_to_float(delta[m], a.delta.dtype) + bias[m];
+      if (!slot_exists(m)) break;
+      const int at = slot_channel(m) * Tr::kChanPitch + s;
+      float dt = df[m] + bias[m];
       if (a.delta_softplus) dt = softplus(dt);
-      su[at] = raw_to_float(u[m], a.u.dtype);
       // dt = 0 on padded slots keeps the state unchanged there (softplus(0) would not).
-      sdt[at] = slot_valid(a, pl, m, t0) ? dt : 0.f;
+      dt = slot_valid(a, pl, m, t0) ? dt : 0.f;
+      if (su) su[at] = uf[m];
+      if (sdt) sdt[at] = dt;
+      if (sdtu) sdtu[at] = make_float2(dt, dt * uf[m]);
       if (sdy) {
         const float go = raw_to_float(dout[m], a.dout.dtype);
         const float zz = raw_to_float(z[m], a.z.dtype);

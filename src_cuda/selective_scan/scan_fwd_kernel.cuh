@@ -1,11 +1,11 @@
 // Selective-scan forward kernel (formula in libssm/selective_scan.h) and its launcher.
 //
-// A block runs kK channels of one batch through the sequence chunk by chunk: stage B, C, u, dt
-// of kT steps in shared memory; each thread advances its kNS states with exp2 on the special
-// function unit and writes its partial <C, h> per step; the epilogue sums the kP partials of a
-// channel, adds D*u, applies the z gate and stores out. With `checkpoints` set (wide kernel only:
-// its chunks are the backward's) it instead records h at every chunk start, the backward's
-// restart points, and writes no output.
+// A block runs kK channels of one batch through the sequence chunk by chunk: stage B, C and
+// (dt, dt * u) of kT steps in shared memory; each thread advances its kNS states with exp2 on the
+// special function unit and writes its partial <C, h> per step; the epilogue sums the kP partials
+// of a channel, adds D*u, applies the z gate and stores out. With `checkpoints` set (wide kernel
+// only: its chunks are the backward's) it instead records h at every chunk start, the backward's
+// restart points, and reads no C and writes no output.
 #pragma once
 
 #include "scan_common.cuh"
@@ -29,95 +29,138 @@ constexpr int fwd_min_blocks() {
   return kNpad >= 16 && kNpad <= 128 ? 4 : 2;
 }
 
+// Partial <C, h> sums, [kT][kYPitch]: a step's row is written by consecutive threads, and the
+// epilogue reads a channel's kP partials as float4s where kP allows (pitch kThreads + 4 keeps
+// them 16-byte aligned and spreads a quarter-warp's reads over all banks).
+template <typename Tr>
+constexpr int fwd_y_pitch() { return Tr::kThreads + 4; }
+
+// One batch of one block. kVarBC: B and C both variable, so every step reads both from shared
+// memory with no fixed-form branch (those branches kept the fixed values in registers and moved
+// them into the load targets at every step: 8 instructions of ~35). kReplay: the backward's
+// checkpoint pass, which needs neither C nor <C, h>.
+template <typename Tr, bool kVarBC, bool kReplay>
+__device__ __forceinline__ void scan_fwd_batch(const ScanArgs& a, const ScanGrid& g,
+                                               float* __restrict__ checkpoints, int64_t batch,
+                                               float* sB, float* sC, float2* sdtu, float* sy) {
+  constexpr int kYPitch = fwd_y_pitch<Tr>();
+  const BlockPlace<Tr> pl(a, g, batch);
+  const StateConsts<Tr> k(a, pl);
+  const int n0 = pl.p * Tr::kNS;
+
+  float h[Tr::kNS];
+#pragma unroll
+  for (int j = 0; j < Tr::kNS; ++j)
+    h[j] = a.initial_state.data && pl.cvalid && n0 + j < a.dstate
+               ? load_as_float(a.initial_state.data, pl.state_index(a.initial_state, n0 + j),
+                               a.initial_state.dtype)
+               : 0.f;
+
+  using In = ChunkInputs<Tr>;
+  float bias[In::kSlots], Dv[In::kSlots], zc[In::kSlots], uc[In::kSlots];
+  In::slot_consts(a, pl, bias, Dv);
+  In in;
+  in.load(a, pl, 0, !kReplay, false);
+
+  for (int64_t t0 = 0, chunk = 0; t0 < a.seqlen; t0 += Tr::kT, ++chunk) {
+    if (kReplay && pl.cvalid) {
+      store_states(checkpoints + ((pl.b * a.dim + pl.d) * g.nchunks + chunk) * Tr::kNpad + n0, h);
+    }
+    __syncthreads();  // the previous chunk's readers are done with shared memory
+    in.store(a, pl, t0, bias, sB, kReplay ? nullptr : sC, nullptr, nullptr, nullptr, sdtu);
+    if (!kReplay) {
+#pragma unroll
+      for (int m = 0; m < In::kSlots; ++m) {
+        zc[m] = in.z_at(a, m);
+        uc[m] = in.u_at(a, m);
+      }
+    }
+    __syncthreads();
+    if (t0 + Tr::kT < a.seqlen) in.load(a, pl, t0 + Tr::kT, !kReplay, false);
+
+#pragma unroll
+    for (int s = 0; s < Tr::kT; ++s) {
+      const float2 dd = sdtu[pl.c * Tr::kChanPitch + s];
+      float bv[Tr::kNS], cv[Tr::kNS];
+      if (kVarBC || !a.B_fixed) {
+        load_states(bv, sB + s * Tr::kBCPitch + n0);
+      } else {
+#pragma unroll
+        for (int j = 0; j < Tr::kNS; ++j) bv[j] = k.Bfix[j];
+      }
+      if (!kReplay) {
+        if (kVarBC || !a.C_fixed) {
+          load_states(cv, sC + s * Tr::kBCPitch + n0);
+        } else {
+#pragma unroll
+          for (int j = 0; j < Tr::kNS; ++j) cv[j] = k.Cfix[j];
+        }
+      }
+      float y = 0.f;
+#pragma unroll
+      for (int j = 0; j < Tr::kNS; ++j) {
+        h[j] = fmaf(exp2_approx(dd.x * k.A2[j]), h[j], dd.y * bv[j]);
+        if (!kReplay) y = fmaf(cv[j], h[j], y);
+      }
+      if (!kReplay) sy[s * kYPitch + threadIdx.x] = y;
+    }
+
+    if (kReplay) continue;
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < In::kSlots; ++m) {
+      if (!In::slot_valid(a, pl, m, t0)) continue;
+      const int c = In::slot_channel(m), s = In::slot_step(m);
+      const float* part = sy + s * kYPitch + c * Tr::kP;
+      float y = 0.f;
+      if constexpr (Tr::kP % 4 == 0) {
+#pragma unroll
+        for (int q = 0; q < Tr::kP; q += 4) {
+          const float4 v = *reinterpret_cast<const float4*>(part + q);
+          y += (v.x + v.y) + (v.z + v.w);
+        }
+      } else {
+#pragma unroll
+        for (int q = 0; q < Tr::kP; ++q) y += part[q];
+      }
+      y = fmaf(Dv[m], uc[m], y);
+      if (a.z.data) y *= zc[m] * sigmoid(zc[m]);
+      store_from_float(a.out.data, pl.seq_index(a.out, pl.chan0 + c, t0 + s), a.out.dtype, y);
+    }
+  }
+
+  if (!kReplay && a.last_state.data && pl.cvalid) {
+#pragma unroll
+    for (int j = 0; j < Tr::kNS; ++j)
+      if (n0 + j < a.dstate)
+        store_from_float(a.last_state.data, pl.state_index(a.last_state, n0 + j),
+                         a.last_state.dtype, h[j]);
+  }
+}
+
 template <int kNpad, int kNS>
 __global__ void __launch_bounds__(FwdTraits<kNpad, kNS>::kThreads, fwd_min_blocks<kNpad, kNS>())
 selective_scan_fwd_kernel(const ScanArgs a, const ScanGrid g, float* __restrict__ checkpoints) {
   using Tr = FwdTraits<kNpad, kNS>;
+  static_assert((2 * Tr::kT * Tr::kBCPitch + 2 * Tr::kK * Tr::kChanPitch) % 4 == 0,
+                "the partial sums start 16-byte aligned");
   extern __shared__ float4 smem4[];
   float* sB = reinterpret_cast<float*>(smem4);
   float* sC = sB + Tr::kT * Tr::kBCPitch;
-  float* su = sC + Tr::kT * Tr::kBCPitch;
-  float* sdt = su + Tr::kK * Tr::kChanPitch;
-  float* sy = sdt + Tr::kK * Tr::kChanPitch;  // [kT][kPartPitch]
+  float2* sdtu = reinterpret_cast<float2*>(sC + Tr::kT * Tr::kBCPitch);
+  float* sy = reinterpret_cast<float*>(sdtu + Tr::kK * Tr::kChanPitch);
 
+  // The replay only runs wide (its chunks are the backward's), so narrow kernels skip its code.
+  const bool replay = checkpoints != nullptr && kNS == wide_states(kNpad);
+  const bool var_bc = !a.B_fixed && !a.C_fixed;
   for (int64_t batch = blockIdx.y; batch < a.batch; batch += gridDim.y) {
-    const BlockPlace<Tr> pl(a, g, batch);
-    const StateConsts<Tr> k(a, pl);
-    const int n0 = pl.p * Tr::kNS;
-
-    float h[Tr::kNS];
-#pragma unroll
-    for (int j = 0; j < Tr::kNS; ++j)
-      h[j] = a.initial_state.data && pl.cvalid && n0 + j < a.dstate
-                 ? load_as_float(a.initial_state.data, pl.state_index(a.initial_state, n0 + j),
-                                 a.initial_state.dtype)
-                 : 0.f;
-
-    using In = ChunkInputs<Tr>;
-    float bias[In::kSlots], Dv[In::kSlots], zc[In::kSlots];
-    In::slot_consts(a, pl, bias, Dv);
-    const bool with_c = checkpoints == nullptr;
-    In in;
-    in.load(a, pl, 0, with_c, false);
-
-    for (int64_t t0 = 0, chunk = 0; t0 < a.seqlen; t0 += Tr::kT, ++chunk) {
-      if (checkpoints && pl.cvalid) {
-        store_states(checkpoints + ((pl.b * a.dim + pl.d) * g.nchunks + chunk) * kNpad + n0, h);
-      }
-      __syncthreads();  // the previous chunk's readers are done with shared memory
-      in.store(a, pl, t0, bias, sB, with_c ? sC : nullptr, su, sdt, nullptr);
-#pragma unroll
-      for (int m = 0; m < In::kSlots; ++m) zc[m] = in.z_at(a, m);
-      __syncthreads();
-      if (t0 + Tr::kT < a.seqlen) in.load(a, pl, t0 + Tr::kT, with_c, false);
-
-#pragma unroll
-      for (int s = 0; s < Tr::kT; ++s) {
-        const float dt = sdt[pl.c * Tr::kChanPitch + s];
-        const float dtu = dt * su[pl.c * Tr::kChanPitch + s];
-        float bv[Tr::kNS], cv[Tr::kNS];
-        if (a.B_fixed) {
-#pragma unroll
-          for (int j = 0; j < Tr::kNS; ++j) bv[j] = k.Bfix[j];
-        } else {
-          load_states(bv, sB + s * Tr::kBCPitch + n0);
-        }
-        if (a.C_fixed) {
-#pragma unroll
-          for (int j = 0; j < Tr::kNS; ++j) cv[j] = k.Cfix[j];
-        } else {
-          load_states(cv, sC + s * Tr::kBCPitch + n0);
-        }
-        float y = 0.f;
-#pragma unroll
-        for (int j = 0; j < Tr::kNS; ++j) {
-          h[j] = fmaf(exp2_approx(dt * k.A2[j]), h[j], dtu * bv[j]);
-          y = fmaf(cv[j], h[j], y);
-        }
-        sy[s * Tr::kPartPitch + threadIdx.x] = y;
-      }
-
-      if (checkpoints) continue;
-      __syncthreads();
-#pragma unroll
-      for (int m = 0; m < In::kSlots; ++m) {
-        if (!In::slot_valid(a, pl, m, t0)) continue;
-        const int c = In::slot_channel(m), s = In::slot_step(m);
-        float y = 0.f;
-#pragma unroll
-        for (int q = 0; q < Tr::kP; ++q) y += sy[s * Tr::kPartPitch + c * Tr::kP + q];
-        y = fmaf(Dv[m], su[c * Tr::kChanPitch + s], y);
-        if (a.z.data) y *= zc[m] * sigmoid(zc[m]);
-        store_from_float(a.out.data, pl.seq_index(a.out, pl.chan0 + c, t0 + s), a.out.dtype, y);
-      }
-    }
-
-    if (a.last_state.data && pl.cvalid) {
-#pragma unroll
-      for (int j = 0; j < Tr::kNS; ++j)
-        if (n0 + j < a.dstate)
-          store_from_float(a.last_state.data, pl.state_index(a.last_state, n0 + j),
-                           a.last_state.dtype, h[j]);
+    if (replay) {
+      if (!a.B_fixed) scan_fwd_batch<Tr, true, true>(a, g, checkpoints, batch, sB, sC, sdtu, sy);
+      else scan_fwd_batch<Tr, false, true>(a, g, checkpoints, batch, sB, sC, sdtu, sy);
+    } else if (var_bc) {
+      scan_fwd_batch<Tr, true, false>(a, g, checkpoints, batch, sB, sC, sdtu, sy);
+    } else {
+      scan_fwd_batch<Tr, false, false>(a, g, checkpoints, batch, sB, sC, sdtu, sy);
     }
     __syncthreads();  // the next batch restages shared memory
   }
@@ -127,7 +170,7 @@ template <int kNpad, int kNS>
 size_t selective_scan_fwd_smem_bytes() {
   using Tr = FwdTraits<kNpad, kNS>;
   return sizeof(float) * (2 * Tr::kT * Tr::kBCPitch + 2 * Tr::kK * Tr::kChanPitch +
-                          Tr::kT * Tr::kPartPitch);
+                          Tr::kT * fwd_y_pitch<Tr>());
 }
 
 template <int kNpad, int kNS>
