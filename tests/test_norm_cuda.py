@@ -24,15 +24,18 @@ dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 # 16385 (either side of the largest register-resident row), 20000 and 65536 (re-read slices;
 # 65536 is the limit); group sizes that are tiny (1, 8) or not multiples of 8 (241); rows from
 # 1 to 8192, the latter spreading dweight/dbias over many blocks' partial sums. On sm_90 the
-# lean kernels share rows past 4096 columns among the CTAs of a cluster (norm_fast.cuh): 8200
-# (three CTAs, the last one short), 24584 (seven, LayerNorm's two sums), 40000 (ten, 300 rows
-# so each cluster walks many), 65536 (sixteen) and 16384 with no rows (zero dweight).
+# lean kernels share segments past 8192 columns among the CTAs of a cluster (norm_fast.cuh):
+# 8200 (three 256-thread CTAs, the last one a slice), 24584 (seven, LayerNorm's two sums), 40000
+# (five 512-thread CTAs, 300 rows so each cluster walks many), 65536 (eight), 16384 with no rows
+# (zero dweight), and gated groups of 16384 and 12288 columns (a cluster per group).
 CLUSTER_ROWS = (
     BASE.replace(hidden=8200, lead=(9,), residual=True, prenorm=True),
     LAYER.replace(hidden=24584, lead=(37,), residual=True, prenorm=True),
     BASE.replace(hidden=40000, lead=(300,), zero_centered_weight=True),
     BASE.replace(hidden=65536, lead=(5,), residual=True),
     LAYER.replace(hidden=16384, lead=(0,)),
+    GATED.replace(hidden=32768, group_size=16384, lead=(6,)),
+    BASE.replace(hidden=24576, z=True, group_size=12288, lead=(5,)),
 )
 AWKWARD_ROWS = CLUSTER_ROWS + (
     GATED.replace(hidden=1, group_size=0, lead=(5000,)),
@@ -143,6 +146,8 @@ MIXES = {
 
 
 @pytest.mark.parametrize("case", [GATED.replace(bias=True),
+                                  LAYER.replace(hidden=2048, residual=True, prenorm=True,
+                                                lead=(33,)),
                                   LAYER.replace(hidden=4097, residual=True, z=True, lead=(9,)),
                                   BASE.replace(hidden=20000, residual=True, bias=True,
                                                lead=(3,))], ids=case_id)

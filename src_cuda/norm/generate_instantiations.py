@@ -9,10 +9,12 @@ import pathlib
 FWD_SLICES = ((1, False), (2, False), (4, False), (4, True))
 BWD_SLICES = ((2, False), (2, True))
 # The lean forward (K, kCluster): thread-block clusters only at 2 slices, which the segments past
-# one CTA need; the lean backward (kCluster). No generic-dtype variants.
+# one CTA need; the lean backward (kCluster). Each for every (kDt, kRt) of FAST_DTYPES.
 FAST_FWD = ((1, False), (2, False), (2, True))
 FAST_BWD = (False, True)
 DTYPES = {-1: "generic", 0: "f32", 1: "f16", 2: "bf16"}  # values of ssm::Dtype
+# (kDt, kRt): one dtype, or a float32 residual stream beside 16-bit x.
+FAST_DTYPES = ((0, 0), (1, 1), (2, 2), (1, 0), (2, 0))
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -46,22 +48,24 @@ def main():
                   ["template cudaError_t launch_norm_bwd<%s>(const NormArgs&, const NormPlan&,"
                    " cudaStream_t);" % args,
                    "template int norm_bwd_blocks_per_sm<%s>(int);" % args])
-        if dt < 0:
-            continue
+    for dt, rt in FAST_DTYPES:
+        tag = DTYPES[dt] if dt == rt else "%s_%s" % (DTYPES[dt], DTYPES[rt])
+        rows = "%s rows" % DTYPES[dt] + ("" if dt == rt else ", residual stream %s" % DTYPES[rt])
         for k, cluster in FAST_FWD:
             write("norm_fwd_fast_k%d%s_%s.cu" % (k, "_cluster" if cluster else "", tag),
-                  "the lean fused-norm forward, %d slice(s) a thread%s, %s rows."
-                  % (k, ", thread-block clusters" if cluster else "", tag),
-                  ["template cudaError_t launch_norm_fwd_fast<%d, %d, %s>(const NormArgs&,"
-                   " NormPlan&, int, cudaStream_t);" % (k, dt, str(cluster).lower())],
+                  "the lean fused-norm forward, %d slice(s) a thread%s, %s."
+                  % (k, ", thread-block clusters" if cluster else "", rows),
+                  ["template cudaError_t launch_norm_fwd_fast<%d, %d, %d, %s>(const NormArgs&,"
+                   " NormPlan&, int, cudaStream_t);" % (k, dt, rt, str(cluster).lower())],
                   header="norm_fast.cuh")
         for cluster in FAST_BWD:
             write("norm_bwd_fast%s_%s.cu" % ("_cluster" if cluster else "", tag),
-                  "the lean fused-norm backward%s, %s rows."
-                  % (", thread-block clusters" if cluster else "", tag),
-                  ["template cudaError_t launch_norm_bwd_fast<%d, %s>(const NormArgs&,"
-                   " NormPlan&, int, cudaStream_t);" % (dt, str(cluster).lower())],
+                  "the lean fused-norm backward%s, %s."
+                  % (", thread-block clusters" if cluster else "", rows),
+                  ["template cudaError_t launch_norm_bwd_fast<%d, %d, %s>(const NormArgs&,"
+                   " NormPlan&, int, cudaStream_t);" % (dt, rt, str(cluster).lower())],
                   header="norm_fast.cuh")
+
 
 if __name__ == "__main__":
     main()

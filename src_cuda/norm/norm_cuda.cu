@@ -4,6 +4,7 @@
 // partial sums into the caller's dweight and dbias.
 #include <algorithm>
 #include <climits>
+#include <initializer_list>
 
 #include "../common/cuda_status.h"
 #include "norm_device.cuh"
@@ -52,17 +53,24 @@ bool aligned(const TensorRef& t, bool rows) {
   return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && (!rows || t.stride[0] * bytes % 16 == 0);
 }
 
-// The one dtype every row-shaped operand has (as an int for the kDt template argument), or -1
-// when they differ and only the generic kernels apply.
-int common_row_dtype(const NormArgs& a) {
-  int dt = -1;
-  for (const TensorRef* t : {&a.x, &a.residual, &a.z, &a.y, &a.residual_out, &a.dy,
-                             &a.dresidual_out, &a.dx, &a.dresidual, &a.dz}) {
+// The one dtype of the present operands among `ts`, kNone when none is present, or -1 when they
+// differ.
+constexpr int kNone = -2;
+int shared_dtype(std::initializer_list<const TensorRef*> ts) {
+  int dt = kNone;
+  for (const TensorRef* t : ts) {
     if (!t->present()) continue;
-    if (dt >= 0 && dt != int(t->dtype)) return -1;
+    if (dt != kNone && dt != int(t->dtype)) return -1;
     dt = int(t->dtype);
   }
   return dt;
+}
+
+// The one dtype every row-shaped operand has (as an int for the kDt template argument), or -1
+// when they differ and only the generic kernels apply.
+int common_row_dtype(const NormArgs& a) {
+  return shared_dtype({&a.x, &a.residual, &a.z, &a.y, &a.residual_out, &a.dy, &a.dresidual_out,
+                       &a.dx, &a.dresidual, &a.dz});
 }
 
 template <int K, bool kTail>
@@ -93,10 +101,32 @@ bool can_vectorize(const NormArgs& a) {
   return aligned(a.weight, false) && aligned(a.bias, false);
 }
 
-// Whether a call can take the lean kernels (norm_fast.cuh): one group, no gate, one dtype for
-// every row-shaped operand, aligned rows.
-bool lean_call(const NormArgs& a, int dt, bool vec) {
-  return dt >= 0 && vec && !a.z.present() && a.ngroups == 1;
+// The (kDt, kRt) of a call the lean kernels (norm_fast.cuh) take, as launch_norm_*_fast name
+// them; ok is false when the call needs the general kernels.
+struct LeanDtypes {
+  int dt = -1, rt = -1;
+  bool ok = false;
+  LeanDtypes(int d, int r, bool vec) : dt(d), rt(r == kNone ? d : r) {
+    const bool f32_stream = rt == int(Dtype::F32) && dt != rt;
+    ok = vec && dt >= 0 && (dt == rt || f32_stream);
+  }
+};
+
+// Forward: x, y and z in kDt, residual and residual_out in kRt; a gate only with one dtype.
+LeanDtypes fwd_lean_dtypes(const NormArgs& a, bool vec) {
+  LeanDtypes d(shared_dtype({&a.x, &a.y, &a.z}), shared_dtype({&a.residual, &a.residual_out}),
+               vec);
+  d.ok = d.ok && (!a.z.present() || d.dt == d.rt);
+  return d;
+}
+
+// Backward: x (the forward's s), dresidual_out and dresidual in kRt, dy, dx, z and dz in kDt; a
+// gate only with one dtype.
+LeanDtypes bwd_lean_dtypes(const NormArgs& a, bool vec) {
+  LeanDtypes d(shared_dtype({&a.dy, &a.dx, &a.z, &a.dz}),
+               shared_dtype({&a.x, &a.dresidual_out, &a.dresidual}), vec);
+  d.ok = d.ok && (!a.z.present() || d.dt == d.rt);
+  return d;
 }
 
 // The CTAs of the cluster a lean kernel shares a segment among (norm_plan.h): 1 while one CTA of
@@ -225,20 +255,32 @@ size_t norm_bwd_cuda_workspace(const NormArgs& a, int device) {
 }
 
 template <int K, bool kCluster>
-cudaError_t fast_fwd_by_dtype(int dt, const NormArgs& a, NormPlan& p, int sms, cudaStream_t s) {
-  switch (dt) {
-    case int(Dtype::F32): return launch_norm_fwd_fast<K, int(Dtype::F32), kCluster>(a, p, sms, s);
-    case int(Dtype::F16): return launch_norm_fwd_fast<K, int(Dtype::F16), kCluster>(a, p, sms, s);
-    default: return launch_norm_fwd_fast<K, int(Dtype::BF16), kCluster>(a, p, sms, s);
+cudaError_t fast_fwd_by_dtype(LeanDtypes d, const NormArgs& a, NormPlan& p, int sms,
+                              cudaStream_t s) {
+  constexpr int F32 = int(Dtype::F32), F16 = int(Dtype::F16), BF16 = int(Dtype::BF16);
+  if (d.rt != d.dt) {
+    return d.dt == F16 ? launch_norm_fwd_fast<K, F16, F32, kCluster>(a, p, sms, s)
+                       : launch_norm_fwd_fast<K, BF16, F32, kCluster>(a, p, sms, s);
+  }
+  switch (d.dt) {
+    case F32: return launch_norm_fwd_fast<K, F32, F32, kCluster>(a, p, sms, s);
+    case F16: return launch_norm_fwd_fast<K, F16, F16, kCluster>(a, p, sms, s);
+    default: return launch_norm_fwd_fast<K, BF16, BF16, kCluster>(a, p, sms, s);
   }
 }
 
 template <bool kCluster>
-cudaError_t fast_bwd_by_dtype(int dt, const NormArgs& a, NormPlan& p, int sms, cudaStream_t s) {
-  switch (dt) {
-    case int(Dtype::F32): return launch_norm_bwd_fast<int(Dtype::F32), kCluster>(a, p, sms, s);
-    case int(Dtype::F16): return launch_norm_bwd_fast<int(Dtype::F16), kCluster>(a, p, sms, s);
-    default: return launch_norm_bwd_fast<int(Dtype::BF16), kCluster>(a, p, sms, s);
+cudaError_t fast_bwd_by_dtype(LeanDtypes d, const NormArgs& a, NormPlan& p, int sms,
+                              cudaStream_t s) {
+  constexpr int F32 = int(Dtype::F32), F16 = int(Dtype::F16), BF16 = int(Dtype::BF16);
+  if (d.rt != d.dt) {
+    return d.dt == F16 ? launch_norm_bwd_fast<F16, F32, kCluster>(a, p, sms, s)
+                       : launch_norm_bwd_fast<BF16, F32, kCluster>(a, p, sms, s);
+  }
+  switch (d.dt) {
+    case F32: return launch_norm_bwd_fast<F32, F32, kCluster>(a, p, sms, s);
+    case F16: return launch_norm_bwd_fast<F16, F16, kCluster>(a, p, sms, s);
+    default: return launch_norm_bwd_fast<BF16, BF16, kCluster>(a, p, sms, s);
   }
 }
 
@@ -249,16 +291,17 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   if (a.rows == 0) return SSM_SUCCESS;
   const int nslices = slices_of(a);
   const int dt = common_row_dtype(a);
-  const int cluster = lean_call(a, dt, can_vectorize(a)) ? lean_cluster(nslices, device) : 0;
+  const LeanDtypes lean = fwd_lean_dtypes(a, can_vectorize(a));
+  const int cluster = lean.ok ? lean_cluster(nslices, device) : 0;
   if (cluster > 0) {
     const int K = nslices <= 128 ? 1 : 2;
     NormPlan p = shape_plan(a, K, cluster);
     p.block = std::max(p.threads, 256);
     p.row_blocks = ceil_div(a.rows, p.block / p.threads);
     const int sms = std::max(1, multiprocessor_count(device));
-    const cudaError_t err = K == 1        ? fast_fwd_by_dtype<1, false>(dt, a, p, sms, s)
-                            : cluster > 1 ? fast_fwd_by_dtype<2, true>(dt, a, p, sms, s)
-                                          : fast_fwd_by_dtype<2, false>(dt, a, p, sms, s);
+    const cudaError_t err = K == 1        ? fast_fwd_by_dtype<1, false>(lean, a, p, sms, s)
+                            : cluster > 1 ? fast_fwd_by_dtype<2, true>(lean, a, p, sms, s)
+                                          : fast_fwd_by_dtype<2, false>(lean, a, p, sms, s);
     // Otherwise not one cluster fits on this device: the general kernels below.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
   }
@@ -280,7 +323,8 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int dt = common_row_dtype(a);
   const bool vec = can_vectorize(a);
-  int cluster = lean_call(a, dt, vec) ? lean_cluster(slices_of(a), device) : 0;
+  const LeanDtypes lean = bwd_lean_dtypes(a, vec);
+  int cluster = lean.ok ? lean_cluster(slices_of(a), device) : 0;
   const bool sums = a.dweight.present() || a.dbias.present();
   float* partial = static_cast<float*>(workspace);
   BwdSetup setup(a, device, cluster);
@@ -296,8 +340,8 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   if (a.rows > 0 || p.partial != nullptr) {
     const int sms = std::max(1, multiprocessor_count(device));
     if (cluster > 0) {
-      err = cluster > 1 ? fast_bwd_by_dtype<true>(dt, a, p, sms, s)
-                        : fast_bwd_by_dtype<false>(dt, a, p, sms, s);
+      err = cluster > 1 ? fast_bwd_by_dtype<true>(lean, a, p, sms, s)
+                        : fast_bwd_by_dtype<false>(lean, a, p, sms, s);
       setup.partial_rows = p.row_blocks;  // as the launcher lowered it
       if (err == cudaErrorInvalidClusterSize) {
         // Not one cluster fits on this device: the general kernels (the workspace covers both).

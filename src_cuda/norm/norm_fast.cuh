@@ -1,13 +1,15 @@
-// The lean forward and backward for the calls most models make: one group, no gate, every
-// row-shaped operand of one dtype and 16-byte aligned. The general kernels (norm_kernels.cuh)
-// spend about 49 instructions an element on their run-time options, re-checked slice by slice,
-// and issue for 60% of the cycles (ncu, 4096 bf16 columns), so they cannot reach the bandwidth.
-// These decide the options once a row, keep the weight in registers for the whole walk down the
-// rows (a thread's columns never change), and load the next row while they reduce and store this
-// one. A CTA of up to 512 threads keeps 2 slices a thread (8192 16-bit columns); longer
-// segments, up to 65536 columns, are shared by the CTAs of a thread-block cluster (kCluster,
-// sm_90 and later; norm_plan.h) that add their partial sums through distributed shared memory,
-// so every row is still read from DRAM once. Included only by the instantiation files.
+// The lean forward and backward for the calls most models make: every row-shaped operand 16-byte
+// aligned, of one dtype, or of two where the residual stream is kept in float32 beside 16-bit x
+// (Mamba's residual_in_fp32). The general kernels (norm_kernels.cuh) spend about 49 instructions
+// an element on their run-time options, re-checked slice by slice, and issue for 60% of the
+// cycles (ncu, 4096 bf16 columns), so they cannot reach the bandwidth. These decide the options
+// at compile time or once a row, keep the weight in registers for the whole walk down the rows (a
+// thread's columns never change), and load the next row while they reduce and store this one. A
+// CTA of up to 512 threads keeps 2 slices a thread (8192 16-bit columns); longer segments, up to
+// 65536 columns, are shared by the CTAs of a thread-block cluster (kCluster, sm_90 and later;
+// norm_plan.h) that add their partial sums through distributed shared memory, so every row is
+// still read from DRAM once. Both take the gate where every row-shaped operand has one dtype.
+// Included only by the instantiation files.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -21,30 +23,40 @@ namespace ssm {
 
 namespace norm_detail {
 
-// A thread's K slices (lane + k * threads of its block's share): whether each lies in the row,
-// its first column, and its scale w (weight, + 1 when zero-centred, or 1), kept for the whole
-// walk down the rows.
+// A thread's K slices (lane + k * threads of its block's share): whether each lies in the row
+// and its first column.
 template <int K>
-__device__ __forceinline__ void thread_columns(const NormArgs& a, const NormPlan& p,
-                                               const Place& at, bool (&valid)[K],
-                                               int64_t (&col)[K], Slice (&w)[K]) {
+__device__ __forceinline__ void thread_columns(const NormPlan& p, const Place& at,
+                                               bool (&valid)[K], int64_t (&col)[K]) {
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int v = at.lane + k * p.threads;
     valid[k] = v < at.limit;
-    col[k] = int64_t(at.first + v) * kSlice;  // one group: at.col0 without its group term
-    if (valid[k] && a.weight.present()) {
-      fetch_slice(a.weight.data, a.weight.dtype, col[k], kSlice, true, w[k]);
-      widen_slice(a.weight.dtype, true, w[k]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < kSlice; ++e) w[k][e] = 1.f;
-    }
-    if (a.zero_centered_weight) {
-#pragma unroll
-      for (int e = 0; e < kSlice; ++e) w[k][e] += 1.f;
-    }
+    col[k] = at.col0 + int64_t(v) * kSlice;
   }
+}
+
+// The scale w of one slice: weight, + 1 when zero-centred, or 1.
+__device__ __forceinline__ void slice_scale(const NormArgs& a, bool valid, int64_t col,
+                                            Slice& w) {
+  if (valid && a.weight.present()) {
+    fetch_slice(a.weight.data, a.weight.dtype, col, kSlice, true, w);
+    widen_slice(a.weight.dtype, true, w);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kSlice; ++e) w[e] = 1.f;
+  }
+  if (a.zero_centered_weight) {
+#pragma unroll
+    for (int e = 0; e < kSlice; ++e) w[e] += 1.f;
+  }
+}
+
+template <int K>
+__device__ __forceinline__ void column_scale(const NormArgs& a, const bool (&valid)[K],
+                                             const int64_t (&col)[K], Slice (&w)[K]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) slice_scale(a, valid[k], col[k], w[k]);
 }
 
 // With kCluster, adds the M block totals of the cluster's CTAs (each CTA's thread 0 leaves its
@@ -89,36 +101,49 @@ __device__ __forceinline__ void cluster_done() {
 
 }  // namespace norm_detail
 
-template <int K, int kDt, bool kCluster>
+// Rows between two visits of the same (row block, group) unit: every block (cluster) of the grid
+// takes one unit, and the grid is row_blocks * ngroups of them.
+__device__ __forceinline__ int64_t row_step(const NormArgs& a, const NormPlan& p,
+                                            const norm_detail::Place& at, bool cluster) {
+  return int64_t(gridDim.x / ((cluster ? p.cluster : 1) * a.ngroups)) * at.slots;
+}
+
+// kDt: x, y and z; kRt: residual and residual_out (kDt too, or float32 beside 16-bit x). kGate:
+// z given (one dtype only; norm_before_gate decides once a row where silu(z) multiplies).
+template <int K, int kDt, int kRt, bool kGate, bool kCluster>
 __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const NormArgs a,
                                                                         const NormPlan p) {
   using namespace norm_detail;
-  constexpr Dtype D = Dtype(kDt);
+  constexpr Dtype D = Dtype(kDt), R = Dtype(kRt);
   // Two buffers used in turn: one barrier a reduction (segment_sum with red_free, cluster_sum).
   __shared__ float red[2][kNormMaxThreads / 32];
   __shared__ float totals[2][1];
   const Place at(a, p, kCluster);
   const int T = p.threads;
   const int slots = at.slots;
-  const int64_t step = int64_t(kCluster ? gridDim.x / p.cluster : gridDim.x) * slots;
-  const float inv_len = 1.f / float(a.hidden);
+  const int64_t step = row_step(a, p, at, kCluster);
+  const float inv_len = 1.f / float(a.group_size);
   const bool residual = a.residual.present();
+  const bool gate_first = kGate && !a.norm_before_gate;
 
+  // The weight stays in registers for the whole walk (a thread's columns never change).
   bool valid[K];
   int64_t col[K];
   Slice w[K];
-  thread_columns(a, p, at, valid, col, w);
+  thread_columns(p, at, valid, col);
+  column_scale(a, valid, col, w);
 
-  // x and residual of row r, still packed: loads only, so the next row's are in flight while
+  // x, residual and z of row r, still packed: loads only, so the next row's are in flight while
   // this row is reduced and stored.
-  Slice xs[K], rs[K];
+  Slice xs[K], rs[K], zs[K];
   auto fetch = [&](int64_t r) {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       if (!valid[k] || r >= a.rows) continue;
       fetch_slice(a.x.data, D, r * a.x.stride[0] + col[k], kSlice, true, xs[k]);
       if (residual)
-        fetch_slice(a.residual.data, D, r * a.residual.stride[0] + col[k], kSlice, true, rs[k]);
+        fetch_slice(a.residual.data, R, r * a.residual.stride[0] + col[k], kSlice, true, rs[k]);
+      if (kGate) fetch_slice(a.z.data, D, r * a.z.stride[0] + col[k], kSlice, true, zs[k]);
     }
   };
 
@@ -128,11 +153,11 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const No
   // Every thread of the block (of the cluster) runs the same number of iterations: segment_sum
   // and cluster_sum synchronise.
   for (int64_t base = at.row_block * slots; base < a.rows; base += step, r += step) {
-    Slice g[K], t[K];
+    Slice g[K], t[K], u[K];
 #pragma unroll
     for (int k = 0; k < K; ++k)
 #pragma unroll
-      for (int e = 0; e < kSlice; ++e) g[k][e] = xs[k][e], t[k][e] = rs[k][e];
+      for (int e = 0; e < kSlice; ++e) g[k][e] = xs[k][e], t[k][e] = rs[k][e], u[k][e] = zs[k][e];
     fetch(r + step);
     const bool row_ok = r < a.rows;
     float acc[1] = {0.f};
@@ -140,13 +165,22 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const No
     for (int k = 0; k < K; ++k) {
       widen_slice(D, true, g[k]);
       if (residual) {
-        widen_slice(D, true, t[k]);
+        widen_slice(R, true, t[k]);
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) g[k][e] += t[k][e];
       }
       if (row_ok && valid[k] && a.residual_out.present())
-        store_slice(a.residual_out.data, D, r * a.residual_out.stride[0] + col[k], kSlice, true,
+        store_slice(a.residual_out.data, R, r * a.residual_out.stride[0] + col[k], kSlice, true,
                     g[k]);
+      if (kGate) {
+        widen_slice(D, true, u[k]);
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) u[k][e] = silu(u[k][e]);
+        if (gate_first) {
+#pragma unroll
+          for (int e = 0; e < kSlice; ++e) g[k][e] *= u[k][e];
+        }
+      }
       if (!valid[k] || !row_ok) {
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) g[k][e] = 0.f;
@@ -176,8 +210,8 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const No
     const float rstd = rsqrtf(var + a.eps);
     if (!row_ok) continue;
     if (at.lane == 0 && at.first == 0) {
-      if (a.mean.present()) store_stat(a.mean, r, 0, mean);
-      if (a.rstd.present()) store_stat(a.rstd, r, 0, rstd);
+      if (a.mean.present()) store_stat(a.mean, r, at.group, mean);
+      if (a.rstd.present()) store_stat(a.rstd, r, at.group, rstd);
     }
 #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -190,48 +224,76 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const No
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) g[k][e] += t[k][e];
       }
+      if (kGate && !gate_first) {
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) g[k][e] *= u[k][e];
+      }
       store_slice(a.y.data, D, r * a.y.stride[0] + col[k], kSlice, true, g[k]);
     }
   }
   cluster_done<kCluster>();
 }
 
-// The backward's lean kernel: the terms of norm_bwd_kernel without a gate, with dweight and dbias
-// summed in registers over the rows a thread visits (the plan is the fused one of norm_cuda.cu).
-template <int kDt, bool kCluster>
+// The gate of a lean kernel, a template argument: none, y = norm(s silu(z)) (Mamba-2's
+// RMSNormGated), or y = norm(s) silu(z).
+enum LeanGate { kNoGate = 0, kGateFirst = 1, kGateAfter = 2 };
+
+// The backward's lean kernel: the terms of norm_bwd_kernel, with dweight (and dbias) summed in
+// registers over the rows a thread visits (the plan is the fused one of norm_cuda.cu). kRt: x
+// (the forward's residual stream s), dresidual_out and dresidual; kDt: dy, dx, z and dz. kFull
+// (LayerNorm, or a call that wants dbias) keeps the mean, the sum of w dy and the dbias sums;
+// RMSNorm without a bias, the common case, compiles without them: 16 registers and ~3
+// instructions an element fewer. kGate: a LeanGate (kDt == kRt only). Rows past the end and
+// slices past the segment read as zeros (their registers are zeroed instead of loaded), so the
+// element loops need no per-element selects.
+template <int kDt, int kRt, bool kFull, int kGate, bool kCluster>
 __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const NormArgs a,
                                                                         const NormPlan p) {
   using namespace norm_detail;
   constexpr int K = kFastBwdSlices;
-  constexpr Dtype D = Dtype(kDt);
-  __shared__ float red[2][kNormMaxThreads / 32 * 2];
-  __shared__ float totals[2][2];
+  constexpr int M = kFull ? 2 : 1;  // sums a row needs: w dy xhat (and w dy)
+  constexpr Dtype D = Dtype(kDt), R = Dtype(kRt);
+  // With kFull or a gate the weight is read again (from L1) for each slice at every row instead
+  // of staying in registers for the whole walk: their extra terms would otherwise spill.
+  constexpr bool kReloadWeight = kFull || kGate != kNoGate;
+  __shared__ float red[2][kNormMaxThreads / 32 * M];
+  __shared__ float totals[2][M];
   const Place at(a, p, kCluster);
   const int T = p.threads;
-  const int64_t step = int64_t(kCluster ? gridDim.x / p.cluster : gridDim.x) * at.slots;
-  const float inv_len = 1.f / float(a.hidden);
+  const int64_t step = row_step(a, p, at, kCluster);
+  const float inv_len = 1.f / float(a.group_size);
   const bool dres_in = a.dresidual_out.present();
 
   bool valid[K];
   int64_t col[K];
   Slice w[K], dw[K] = {}, db[K] = {};
-  thread_columns(a, p, at, valid, col, w);
+  thread_columns(p, at, valid, col);
+  if (!kReloadWeight) column_scale(a, valid, col, w);
 
-  // Row r's x, dy, dresidual_out (packed) and statistics, loaded a row ahead.
-  Slice xs[K], dys[K], dos[K];
+  // Row r's x, dy, z (packed) and statistics, loaded a row ahead; zeros past the last row.
+  // dresidual_out is loaded at the start of its own row instead, in flight through the row's
+  // arithmetic and reduction: a row-ahead copy held 8-16 more registers across the loop, which
+  // LayerNorm and the float32 residual stream spilled.
+  Slice xs[K] = {}, dys[K] = {}, zs[K] = {};
   float mean_next = 0.f, rstd_next = 0.f;
   auto fetch = [&](int64_t r) {
-    if (r >= a.rows) return;
-    mean_next = a.layer_norm ? load_stat(a.mean, r, 0) : 0.f;
-    rstd_next = load_stat(a.rstd, r, 0);
+    if (r >= a.rows) {
+      mean_next = rstd_next = 0.f;
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) xs[k][e] = dys[k][e] = zs[k][e] = 0.f;
+      return;
+    }
+    if (kFull && a.layer_norm) mean_next = load_stat(a.mean, r, at.group);
+    rstd_next = load_stat(a.rstd, r, at.group);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       if (!valid[k]) continue;
-      fetch_slice(a.x.data, D, r * a.x.stride[0] + col[k], kSlice, true, xs[k]);
+      fetch_slice(a.x.data, R, r * a.x.stride[0] + col[k], kSlice, true, xs[k]);
       fetch_slice(a.dy.data, D, r * a.dy.stride[0] + col[k], kSlice, true, dys[k]);
-      if (dres_in)
-        fetch_slice(a.dresidual_out.data, D, r * a.dresidual_out.stride[0] + col[k], kSlice,
-                    true, dos[k]);
+      if (kGate != kNoGate)
+        fetch_slice(a.z.data, D, r * a.z.stride[0] + col[k], kSlice, true, zs[k]);
     }
   };
 
@@ -241,60 +303,111 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
   // Every thread of the block (of the cluster) runs the same number of iterations: segment_sum
   // and cluster_sum synchronise.
   for (int64_t base = at.row_block * at.slots; base < a.rows; base += step, r += step) {
-    Slice xhat[K], dye[K], wdy[K];
+    Slice xhat[K], dye[K], wdy[K], gate[K];
 #pragma unroll
     for (int k = 0; k < K; ++k)
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) xhat[k][e] = xs[k][e], dye[k][e] = dys[k][e],
-                                       wdy[k][e] = dos[k][e];
+                                       gate[k][e] = zs[k][e];
     const float mean = mean_next, rstd = rstd_next;
-    fetch(r + step);
     const bool row_ok = r < a.rows;
-    float acc[2] = {0.f, 0.f};
+    fetch(r + step);
+    auto fetch_dres = [&] {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (dres_in && valid[k] && row_ok)
+          fetch_slice(a.dresidual_out.data, R, r * a.dresidual_out.stride[0] + col[k], kSlice,
+                      true, wdy[k]);
+      }
+    };
+    // kFull issues it after the element loop below, whose registers it would otherwise share.
+    if (!kFull) fetch_dres();
+    float acc[M] = {};
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      widen_slice(D, true, xhat[k]);
+      Slice& ws = w[kReloadWeight ? 0 : k];
+      if (kReloadWeight) slice_scale(a, valid[k], col[k], ws);
+      widen_slice(R, true, xhat[k]);
       widen_slice(D, true, dye[k]);
-      const bool live = valid[k] && row_ok;
+      if (kGate != kNoGate) widen_slice(D, true, gate[k]);
+      Slice bias;  // with kGateAfter: dz = dy o silu'(z), o = xhat w + b
+      if (kGate == kGateAfter) {
+        if (a.bias.present() && valid[k]) {
+          fetch_slice(a.bias.data, a.bias.dtype, col[k], kSlice, true, bias);
+          widen_slice(a.bias.dtype, true, bias);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kSlice; ++e) bias[e] = 0.f;
+        }
+      }
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
-        xhat[k][e] = live ? (xhat[k][e] - mean) * rstd : 0.f;
-        dye[k][e] = live ? dye[k][e] : 0.f;
-        dw[k][e] += dye[k][e] * xhat[k][e];
-        db[k][e] += dye[k][e];
-        const float t = w[k][e] * dye[k][e];
-        acc[0] += t * xhat[k][e];
-        acc[1] += t;
+        const float z = gate[k][e], sg = kGate != kNoGate ? sigmoid(z) : 0.f;
+        if (kGate == kGateFirst) xhat[k][e] *= z * sg;
+        // (x - mean) rstd, not x rstd - mean rstd: a constant row must give xhat 0 exactly.
+        xhat[k][e] = kFull ? (xhat[k][e] - mean) * rstd : xhat[k][e] * rstd;
+        if (kGate == kGateAfter) {
+          // dz = dy o silu'(z) needs nothing from the reduction: made now (into gate, stored
+          // below), silu'(z) = sg (1 + z (1 - sg)).
+          const float dy = dye[k][e];
+          dye[k][e] = dy * z * sg;
+          gate[k][e] = dy * fmaf(xhat[k][e], ws[e], bias[e]) * sg * (1.f + z * (1.f - sg));
+        }
+        dw[k][e] = fmaf(dye[k][e], xhat[k][e], dw[k][e]);
+        if (kFull) db[k][e] += dye[k][e];
+        dye[k][e] *= ws[e];  // from here on, w dy
+        acc[0] = fmaf(dye[k][e], xhat[k][e], acc[0]);
+        if (kFull) acc[M - 1] += dye[k][e];
       }
+      if (kGate == kGateAfter && valid[k] && row_ok && a.dz.present())
+        store_slice(a.dz.data, D, r * a.dz.stride[0] + col[k], kSlice, true, gate[k]);
     }
+    if (kFull) fetch_dres();
     segment_sum(acc, T, red[phase], true);
     cluster_sum<kCluster>(acc, totals[phase], p.cluster);
     phase ^= 1;
-    const float c1 = acc[0] * inv_len;
-    const float c2 = a.layer_norm ? acc[1] * inv_len : 0.f;
     if (!row_ok) continue;
+    const float c1 = acc[0] * inv_len;
+    const float c2 = kFull && a.layer_norm ? acc[M - 1] * inv_len : 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       if (!valid[k]) continue;
-      if (dres_in) widen_slice(D, true, wdy[k]);
+      if (dres_in) widen_slice(R, true, wdy[k]);
+      // With kGateFirst: s and z read again (L1/L2) for ds = dg silu(z), dz = dg s silu'(z);
+      // keeping them, or silu(z), from before the reduction spilled.
+      Slice x, z;
+      if (kGate == kGateFirst) {
+        fetch_slice(a.x.data, R, r * a.x.stride[0] + col[k], kSlice, true, x);
+        fetch_slice(a.z.data, D, r * a.z.stride[0] + col[k], kSlice, true, z);
+        widen_slice(R, true, x);
+        widen_slice(D, true, z);
+      }
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
-        const float ds = rstd * (w[k][e] * dye[k][e] - xhat[k][e] * c1 - c2);
+        float ds = rstd * (dye[k][e] - fmaf(xhat[k][e], c1, c2));  // dg
+        if (kGate == kGateFirst) {
+          const float sg = sigmoid(z[e]), dg = ds;
+          ds *= z[e] * sg;
+          z[e] = dg * x[e] * sg * (1.f + z[e] * (1.f - sg));
+        }
         wdy[k][e] = dres_in ? ds + wdy[k][e] : ds;
       }
+      if (kGate == kGateFirst && a.dz.present())
+        store_slice(a.dz.data, D, r * a.dz.stride[0] + col[k], kSlice, true, z);
       if (a.dx.present())
         store_slice(a.dx.data, D, r * a.dx.stride[0] + col[k], kSlice, true, wdy[k]);
       if (a.dresidual.present())
-        store_slice(a.dresidual.data, D, r * a.dresidual.stride[0] + col[k], kSlice, true,
+        store_slice(a.dresidual.data, R, r * a.dresidual.stride[0] + col[k], kSlice, true,
                     wdy[k]);
     }
   }
-  if (p.partial != nullptr) write_partial_sums(a, p, at, dw, db);
+  if (p.partial != nullptr) write_partial_sums(a, p, at, dw, db, kFull);
   cluster_done<kCluster>();
 }
 
-// Launches `kernel` on p.row_blocks blocks, or clusters of p.cluster blocks, lowered first to
-// as many as run at once (the kernels walk down the rows persistently).
+// Launches `kernel` on p.row_blocks * ngroups blocks, or clusters of p.cluster blocks, with
+// p.row_blocks lowered first so that all of them run at once (the kernels walk down the rows
+// persistently).
 template <bool kCluster>
 cudaError_t launch_persistent(void (*kernel)(NormArgs, NormPlan), const NormArgs& a, NormPlan& p,
                               int sms, cudaStream_t stream) {
@@ -310,7 +423,7 @@ cudaError_t launch_persistent(void (*kernel)(NormArgs, NormPlan), const NormArgs
   if constexpr (kCluster) {
     config.attrs = &cluster;
     config.numAttrs = 1;
-    config.gridDim = dim3(unsigned(p.cluster * std::min<int64_t>(p.row_blocks, sms)));
+    config.gridDim = dim3(unsigned(p.cluster * std::min<int64_t>(p.row_blocks * a.ngroups, sms)));
     err = cudaOccupancyMaxActiveClusters(&fit, kernel, &config);
     if (err != cudaSuccess || fit == 0) {
       cudaGetLastError();
@@ -321,22 +434,39 @@ cudaError_t launch_persistent(void (*kernel)(NormArgs, NormPlan), const NormArgs
     if (err != cudaSuccess) return err;
     fit *= sms;
   }
-  p.row_blocks = std::min<int64_t>(p.row_blocks, std::max(fit, 1));
-  config.gridDim = dim3(unsigned(p.row_blocks * p.cluster));
+  p.row_blocks = std::min<int64_t>(p.row_blocks, std::max<int64_t>(fit / a.ngroups, 1));
+  config.gridDim = dim3(unsigned(p.row_blocks * a.ngroups * p.cluster));
   return cudaLaunchKernelEx(&config, kernel, a, p);
 }
 
-template <int K, int kDt, bool kCluster>
+template <int K, int kDt, int kRt, bool kCluster>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
-  return launch_persistent<kCluster>(norm_fwd_fast_kernel<K, kDt, kCluster>, a, p, sms, stream);
+  if constexpr (kDt == kRt) {
+    if (a.z.present())
+      return launch_persistent<kCluster>(norm_fwd_fast_kernel<K, kDt, kRt, true, kCluster>, a, p,
+                                         sms, stream);
+  }
+  return launch_persistent<kCluster>(norm_fwd_fast_kernel<K, kDt, kRt, false, kCluster>, a, p,
+                                     sms, stream);
 }
 
-template <int kDt, bool kCluster>
+template <int kDt, int kRt, bool kCluster>
 cudaError_t launch_norm_bwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
+  const bool full = a.layer_norm || a.dbias.present();
+  auto kernel = full ? norm_bwd_fast_kernel<kDt, kRt, true, kNoGate, kCluster>
+                     : norm_bwd_fast_kernel<kDt, kRt, false, kNoGate, kCluster>;
+  if constexpr (kDt == kRt) {
+    if (a.z.present() && a.norm_before_gate)
+      kernel = full ? norm_bwd_fast_kernel<kDt, kRt, true, kGateAfter, kCluster>
+                    : norm_bwd_fast_kernel<kDt, kRt, false, kGateAfter, kCluster>;
+    else if (a.z.present())
+      kernel = full ? norm_bwd_fast_kernel<kDt, kRt, true, kGateFirst, kCluster>
+                    : norm_bwd_fast_kernel<kDt, kRt, false, kGateFirst, kCluster>;
+  }
   if constexpr (kCluster) {
-    return launch_persistent<true>(norm_bwd_fast_kernel<kDt, true>, a, p, sms, stream);
+    return launch_persistent<true>(kernel, a, p, sms, stream);
   } else {
-    norm_bwd_fast_kernel<kDt, false><<<unsigned(p.row_blocks), p.block, 0, stream>>>(a, p);
+    kernel<<<unsigned(p.row_blocks * a.ngroups), p.block, 0, stream>>>(a, p);
     return cudaGetLastError();
   }
 }

@@ -45,18 +45,21 @@ cudaError_t launch_norm_fwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 template <int K, int kDt, bool kTail>
 cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t stream);
 
-// The lean kernels (norm_fast.cuh) for kDt >= 0. kCluster: a segment is shared by the
-// p.cluster CTAs of a thread-block cluster (sm_90 and later), p.cta_slices slices each, that add
-// their partial sums through distributed shared memory; without it one CTA holds a segment.
-// The forward's launcher lowers p.row_blocks to the blocks (clusters) that run at once, and so
-// does the backward's with kCluster (without, the fused plan has sized it): the backward's
-// partial sums have p.row_blocks rows. With kCluster they return cudaErrorInvalidClusterSize,
-// launching nothing, when not one cluster of p.cluster CTAs fits on the device.
-template <int K, int kDt, bool kCluster>
+// The lean kernels (norm_fast.cuh). kDt: the dtype of x, y, z, dy and dx; kRt: that of the
+// residual stream (residual and residual_out forward; x, dresidual_out and dresidual backward),
+// kDt too or float32 beside 16-bit kDt. kCluster: a segment is shared by the p.cluster CTAs of a
+// thread-block cluster (sm_90 and later), p.cta_slices slices each, that add their partial sums
+// through distributed shared memory; without it one CTA holds a segment. The forward's launcher
+// lowers p.row_blocks to the blocks (clusters) that run at once, and so does the backward's with
+// kCluster (without, the fused plan has sized it): the backward's partial sums have
+// p.row_blocks rows. With kCluster they return cudaErrorInvalidClusterSize, launching nothing,
+// when not one cluster of p.cluster CTAs fits on the device. Both take a gate where
+// kDt == kRt.
+template <int K, int kDt, int kRt, bool kCluster>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 // The lean backward keeps kFastBwdSlices slices a thread, like the fused general one.
 constexpr int kFastBwdSlices = 2;
-template <int kDt, bool kCluster>
+template <int kDt, int kRt, bool kCluster>
 cudaError_t launch_norm_bwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 // The lean kernels' clusters: up to 8 CTAs (the portable cluster size), 2 slices a thread, of
 // 256 threads while 8 of those hold the segment (32768 16-bit columns), of 512 beyond. One H200,

@@ -65,9 +65,11 @@ __device__ __forceinline__ void store_slice(void* p, Dtype d, int64_t i, int n, 
                                             const float (&v)[kSlice]) {
   if (vec) {
     if (d == Dtype::F32) {
-      float4* q = reinterpret_cast<float4*>(static_cast<float*>(p) + i);
-      q[0] = make_float4(v[0], v[1], v[2], v[3]);
-      q[1] = make_float4(v[4], v[5], v[6], v[7]);
+      float* q = static_cast<float*>(p) + i;
+      store_16_bytes(q, make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]),
+                                   __float_as_uint(v[2]), __float_as_uint(v[3])));
+      store_16_bytes(q + 4, make_uint4(__float_as_uint(v[4]), __float_as_uint(v[5]),
+                                       __float_as_uint(v[6]), __float_as_uint(v[7])));
       return;
     }
     uint32_t w[4];
@@ -81,7 +83,7 @@ __device__ __forceinline__ void store_slice(void* p, Dtype d, int64_t i, int n, 
         memcpy(&w[k], &h, sizeof h);
       }
     }
-    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p) + i) = make_uint4(w[0], w[1], w[2], w[3]);
+    store_16_bytes(static_cast<uint16_t*>(p) + i, make_uint4(w[0], w[1], w[2], w[3]));
     return;
   }
 #pragma unroll

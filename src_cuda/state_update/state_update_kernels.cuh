@@ -210,15 +210,10 @@ __device__ __forceinline__ uint4 floats_to_chunk(const float* v) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// One chunk of state from its floats, in one 16-byte store instruction. Assigning a uint4 or
-// float4 is split by the compiler into four 4-byte stores here (four times the store
-// instructions and transactions), so the store is written out.
+// One chunk of state from its floats, in one 16-byte store instruction (store_16_bytes).
 template <typename T>
 __device__ __forceinline__ void store_chunk(T* p, const float* v) {
-  const uint4 w = floats_to_chunk<T>(v);
-  asm("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x), "r"(w.y), "r"(w.z),
-      "r"(w.w)
-      : "memory");
+  store_16_bytes(p, floats_to_chunk<T>(v));
 }
 
 // V consecutive (along dstate) elements of A, B or C at element offset `off`, as floats. With

@@ -2,5 +2,5 @@
 #include "../norm_fast.cuh"
 
 namespace ssm {
-template cudaError_t launch_norm_bwd_fast<0, false>(const NormArgs&, NormPlan&, int, cudaStream_t);
+template cudaError_t launch_norm_bwd_fast<0, 0, false>(const NormArgs&, NormPlan&, int, cudaStream_t);
 }  // namespace ssm
