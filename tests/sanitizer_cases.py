@@ -171,6 +171,12 @@ CONV1D_CASES = [  # batch, dim, seqlen, width, dtype, layout, seq_idx, initial/f
     (1, 5, 300, 8, torch.float32, "channel_last", False, False),
     (2, 6, 77, 5, torch.bfloat16, "strided", True, True),
     (2, 4, 0, 4, torch.float32, "seq", False, True),
+    # The fast kernels (full width, no states; seq rows of whole slices, channel-last rows of
+    # whole channel groups); 2000 leaves the backward's last unit partial.
+    (2, 64, 2000, 4, torch.bfloat16, "seq", False, False),
+    (1, 16, 512, 8, torch.float16, "seq", False, False),
+    (2, 64, 1000, 4, torch.bfloat16, "channel_last", False, False),
+    (1, 34, 301, 8, torch.float32, "channel_last", False, False),
 ]
 
 

@@ -1,17 +1,17 @@
 """The causal conv1d on a CUDA GPU (select with -m cuda; skipped without one): the CPU suite's rows
-plus sizes on and beside every kernel path (rows shorter than one 8-position slice, segments of
-2 to 32 lanes, rows cut into many chunks, 16-byte vector loads and element loads, channel-last
-x, packed sequences crossing chunk boundaries, widths 4 and 8 of each kernel family), every
-dtype and dtype mix, x, out and dx in different layouts, against the float64 references and
-libssm's own CPU path. Outputs and gradient buffers start NaN-filled, so anything left unwritten
-fails; dweight/dbias must be the same bits run to run; the decode step with indices and padding
-rows; streams, CUDA graphs and offsets past 2^31."""
+plus sizes on and beside every kernel path (rows shorter than one 8-position slice, segments of 2
+to 32 lanes, rows cut into many chunks, 16-byte vector loads and element loads, channel-last x,
+packed sequences crossing chunk boundaries, widths 4 and 8 of each kernel family and of its fast
+kernels), every dtype and dtype mix, x, out and dx in different layouts, against the float64
+references and libssm's own CPU path. Outputs and gradient buffers start NaN-filled, so anything
+left unwritten fails; dweight/dbias must be the same bits run to run; the decode step with indices
+and padding rows; streams, CUDA graphs and offsets past 2^31."""
 import pytest
 import torch
 
 import libssm
-from conv1d_harness import (FULL, PACKED, ROWS, UPDATE_BASE, UPDATE_ROWS, Conv1dCApi, as_torch,
-                            c_forward_backward, case_id, check_agree, check_backward,
+from conv1d_harness import (BASE, FULL, PACKED, ROWS, UPDATE_BASE, UPDATE_ROWS, Conv1dCApi,
+                            as_torch, c_forward_backward, case_id, check_agree, check_backward,
                             check_forward, check_update, make_update_inputs, reference_backward,
                             reference_update, run_backward, run_forward, run_update, to_cpu,
                             update_id)
@@ -51,7 +51,18 @@ AWKWARD_ROWS = (
     FULL.replace(seqlen=3, batch=16, dim=512, layout="channel_last"),
     FULL.replace(seqlen=1, batch=16, dim=512),
 )
-CUDA_ROWS = ROWS + AWKWARD_ROWS
+# Rows the fast kernels take (Mamba's case: the width fills the kernel's 4 or 8 taps, SiLU, no
+# states; seq rows of whole 16-byte slices, channel-last rows of whole channel groups): rows cut
+# into several backward units, the last one partial; channel-last chunks with and without an
+# interior between their first and last kTaps-1 positions, the last one partial.
+FAST_ROWS = (
+    BASE.replace(seqlen=2000, batch=2, dim=64),
+    BASE.replace(seqlen=4096, batch=1, dim=16, width=8),
+    BASE.replace(seqlen=3000, batch=2, dim=64, layout="channel_last"),
+    BASE.replace(seqlen=5, batch=3, dim=8, layout="channel_last"),
+    BASE.replace(seqlen=1001, batch=2, dim=34, width=8, layout="channel_last"),
+)
+CUDA_ROWS = ROWS + AWKWARD_ROWS + FAST_ROWS
 
 
 def cpu_results(case, inputs, dout=None, dfinal=None):

@@ -64,15 +64,40 @@ SeqPlan seq_plan(const Conv1dArgs& a, int device, bool backward) {
   return p;
 }
 
+// Whether t's channel groups of `group` elements (element size elem) are aligned vectors:
+// contiguous along dim, 16-byte or group-sized alignment of every group's start.
+bool groups_aligned(const TensorRef& t, int64_t batch, int64_t seqlen, int64_t group,
+                    int64_t elem) {
+  if (!t.present()) return true;
+  const int64_t bytes = group * elem;
+  const auto ok = [&](int64_t extent, int64_t stride) {
+    return extent <= 1 || stride * elem % bytes == 0;
+  };
+  return reinterpret_cast<uintptr_t>(t.data) % bytes == 0 && t.stride[1] == 1 &&
+         ok(batch, t.stride[0]) && ok(seqlen, t.stride[2]);
+}
+
 // Chunks of at least 64 positions: the kTaps-1 positions a thread reads before its chunk are
-// read twice, 11% more at 64 and width 8.
-ChanPlan chan_plan(const Conv1dArgs& a, int device) {
+// read twice, 11% more at 64 and width 8. The backward's threads fill two waves of its fast
+// kernel's 512 threads an SM rather than of 2048 (lanes_target), so its chunks are 4x longer:
+// every chunk writes width+1 partial sums for each of its channels, which at 64 positions were
+// 42 MB of writes at (8, 4096, 4096), 16% of dx's, and as much again for the reduction to read.
+// Multiples of 8 positions keep the interior in whole batches.
+ChanPlan chan_plan(const Conv1dArgs& a, int device, bool backward) {
   ChanPlan p;
-  const int64_t rows = a.batch * a.dim;
-  const int64_t wanted = ceil_div(rows * a.seqlen, lanes_target(device));
+  const int64_t group = conv1d_chan_group(a.width <= 4 ? 4 : 8);
+  p.groups = ceil_div(a.dim, group);
+  const int64_t target = backward ? lanes_target(device) / 4 : lanes_target(device);
+  const int64_t wanted = ceil_div(ceil_div(a.batch * p.groups * a.seqlen, target), 8) * 8;
   p.chunk_len = std::clamp<int64_t>(wanted, std::min<int64_t>(a.seqlen, 64), a.seqlen);
   p.nchunks = ceil_div(a.seqlen, p.chunk_len);
-  p.threads = rows * p.nchunks;
+  p.threads = a.batch * p.nchunks * p.groups;
+  const int64_t elem = a.x.dtype == Dtype::F32 ? 4 : 2;
+  const auto aligned = [&](const TensorRef& t) {
+    return groups_aligned(t, a.batch, a.seqlen, group, elem);
+  };
+  p.vec = a.dim % group == 0 && aligned(a.x) &&
+          (backward ? aligned(a.dout) && aligned(a.dx) : aligned(a.out));
   return p;
 }
 
@@ -80,7 +105,7 @@ ChanPlan chan_plan(const Conv1dArgs& a, int device) {
 int64_t partial_rows(const Conv1dArgs& a, int device) {
   if (a.batch * a.dim == 0 || a.seqlen == 0) return 0;
   return a.batch * (use_seq_kernels(a) ? seq_plan(a, device, true).nchunks
-                                       : chan_plan(a, device).nchunks);
+                                       : chan_plan(a, device, true).nchunks);
 }
 
 size_t workspace_bytes(const Conv1dArgs& a, int device) {
@@ -261,7 +286,7 @@ ssm_status conv1d_fwd_cuda(const Conv1dArgs& a, int device, void* stream) {
   } else if (use_seq_kernels(a)) {
     err = dispatch(kFwdSeq, a, seq_plan(a, device, false), s);
   } else {
-    err = dispatch(kFwdChan, a, chan_plan(a, device), s);
+    err = dispatch(kFwdChan, a, chan_plan(a, device, false), s);
   }
   return cuda_status(err, "causal_conv1d_fwd launch");
 }
@@ -282,7 +307,7 @@ ssm_status conv1d_bwd_cuda(const Conv1dArgs& a, int device, void* workspace, voi
       p.partial = partial;
       err = dispatch(kBwdSeq, a, p, s);
     } else {
-      ChanPlan p = chan_plan(a, device);
+      ChanPlan p = chan_plan(a, device, true);
       p.partial = partial;
       err = dispatch(kBwdChan, a, p, s);
     }

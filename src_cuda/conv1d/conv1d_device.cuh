@@ -1,9 +1,10 @@
-// Device helpers the conv1d kernels share: eight-element slices of a row moved as raw bits (one
-// 16-byte access for 16-bit dtypes, two for float32, when the row allows it), their conversion
-// to float32, the taps of one output and of one input gradient with the packed-sequence masks,
-// and silu. Everything that depends on the run-time width W is written as loops over the
-// compile-time kTaps >= W with W's taps at the top (k >= kTaps - W), so every array index is a
-// constant after unrolling and the arrays stay in registers.
+// Device helpers the conv1d kernels share: eight-element slices of a row (or a few channels)
+// moved as raw bits (one 16-byte access for a slice of a 16-bit dtype, two for float32, when the
+// row allows it), their conversion to and from float32, the taps of one output and of one input
+// gradient with the packed-sequence masks, and silu. Everything that depends on the run-time
+// width W is written as loops over the compile-time kTaps >= W with W's taps at the top
+// (k >= kTaps - W), so every array index is a constant after unrolling and the arrays stay in
+// registers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,45 +21,58 @@ namespace conv1d_detail {
 
 constexpr int kSlice = 8;  // elements of a slice: 16 bytes of a 16-bit dtype
 
-template <int kDt>
-constexpr int kWords = kDt == int(Dtype::F32) ? 8 : 4;  // 32-bit words of a raw slice
+// 32-bit words that hold kN elements of kDt (kN even for the 16-bit types).
+template <int kDt, int kN>
+constexpr int kRawWords = kDt == int(Dtype::F32) ? kN : kN / 2;
 
-// A slice as the bits it has in memory: float32 one element a word, 16-bit types two a word
-// (element 2k in the low half of word k).
 template <int kDt>
+constexpr int kWords = kRawWords<kDt, kSlice>;  // 32-bit words of a raw slice
+
+// kN elements (by default a slice) as the bits they have in memory: float32 one element a word,
+// 16-bit types two a word (element 2k in the low half of word k).
+template <int kDt, int kN = kSlice>
 struct Raw {
-  uint32_t w[kWords<kDt>];
+  uint32_t w[kRawWords<kDt, kN>];
 };
 
-template <int kDt>
-__device__ __forceinline__ void clear(Raw<kDt>& r) {
+template <int kDt, int kN>
+__device__ __forceinline__ void clear(Raw<kDt, kN>& r) {
 #pragma unroll
-  for (int i = 0; i < kWords<kDt>; ++i) r.w[i] = 0u;
+  for (int i = 0; i < kRawWords<kDt, kN>; ++i) r.w[i] = 0u;
 }
 
-// Elements i, i + stride, ... (n <= 8 of them, the rest read as 0) of `p`. `vec` promises
-// stride 1, 16-byte alignment and n == 8, and makes one (two for float32) 16-byte loads.
-template <int kDt>
+// Elements i, i + stride, ... (n <= kN of them, the rest read as 0) of `p`. `vec` promises
+// stride 1, alignment to the kN elements' size (at most 16 bytes) and n == kN, and makes
+// accesses of up to 16 bytes: one for a slice of a 16-bit dtype, two for float32.
+template <int kDt, int kN>
 __device__ __forceinline__ void load_raw(const void* p, int64_t i, int64_t stride, int n,
-                                         bool vec, Raw<kDt>& r) {
+                                         bool vec, Raw<kDt, kN>& r) {
+  constexpr int kW = kRawWords<kDt, kN>;
   if (vec) {
-    const uint4* q = reinterpret_cast<const uint4*>(static_cast<const char*>(p) +
-                                                    i * (kDt == int(Dtype::F32) ? 4 : 2));
+    const char* q = static_cast<const char*>(p) + i * (kDt == int(Dtype::F32) ? 4 : 2);
+    if constexpr (kW % 4 == 0) {
 #pragma unroll
-    for (int h = 0; h < kWords<kDt> / 4; ++h) {
-      const uint4 v = q[h];
-      r.w[4 * h] = v.x, r.w[4 * h + 1] = v.y, r.w[4 * h + 2] = v.z, r.w[4 * h + 3] = v.w;
+      for (int h = 0; h < kW / 4; ++h) {
+        const uint4 v = reinterpret_cast<const uint4*>(q)[h];
+        r.w[4 * h] = v.x, r.w[4 * h + 1] = v.y, r.w[4 * h + 2] = v.z, r.w[4 * h + 3] = v.w;
+      }
+    } else if constexpr (kW == 2) {
+      const uint2 v = *reinterpret_cast<const uint2*>(q);
+      r.w[0] = v.x, r.w[1] = v.y;
+    } else {
+      static_assert(kW == 1, "raw values of 1, 2 or a multiple of 4 words");
+      r.w[0] = *reinterpret_cast<const uint32_t*>(q);
     }
     return;
   }
   if constexpr (kDt == int(Dtype::F32)) {
     const uint32_t* q = static_cast<const uint32_t*>(p);
 #pragma unroll
-    for (int e = 0; e < kSlice; ++e) r.w[e] = e < n ? q[i + e * stride] : 0u;
+    for (int e = 0; e < kN; ++e) r.w[e] = e < n ? q[i + e * stride] : 0u;
   } else {
     const uint16_t* q = static_cast<const uint16_t*>(p);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < kW; ++k) {
       const uint32_t lo = 2 * k < n ? q[i + 2 * k * stride] : 0u;
       const uint32_t hi = 2 * k + 1 < n ? q[i + (2 * k + 1) * stride] : 0u;
       r.w[k] = lo | (hi << 16);
@@ -66,26 +80,34 @@ __device__ __forceinline__ void load_raw(const void* p, int64_t i, int64_t strid
   }
 }
 
-template <int kDt>
+template <int kDt, int kN>
 __device__ __forceinline__ void store_raw(void* p, int64_t i, int64_t stride, int n, bool vec,
-                                          const Raw<kDt>& r) {
+                                          const Raw<kDt, kN>& r) {
+  constexpr int kW = kRawWords<kDt, kN>;
   if (vec) {
-    uint4* q = reinterpret_cast<uint4*>(static_cast<char*>(p) +
-                                        i * (kDt == int(Dtype::F32) ? 4 : 2));
+    char* q = static_cast<char*>(p) + i * (kDt == int(Dtype::F32) ? 4 : 2);
+    if constexpr (kW % 4 == 0) {
 #pragma unroll
-    for (int h = 0; h < kWords<kDt> / 4; ++h)
-      q[h] = make_uint4(r.w[4 * h], r.w[4 * h + 1], r.w[4 * h + 2], r.w[4 * h + 3]);
+      for (int h = 0; h < kW / 4; ++h)
+        reinterpret_cast<uint4*>(q)[h] =
+            make_uint4(r.w[4 * h], r.w[4 * h + 1], r.w[4 * h + 2], r.w[4 * h + 3]);
+    } else if constexpr (kW == 2) {
+      *reinterpret_cast<uint2*>(q) = make_uint2(r.w[0], r.w[1]);
+    } else {
+      static_assert(kW == 1, "raw values of 1, 2 or a multiple of 4 words");
+      *reinterpret_cast<uint32_t*>(q) = r.w[0];
+    }
     return;
   }
   if constexpr (kDt == int(Dtype::F32)) {
     uint32_t* q = static_cast<uint32_t*>(p);
 #pragma unroll
-    for (int e = 0; e < kSlice; ++e)
+    for (int e = 0; e < kN; ++e)
       if (e < n) q[i + e * stride] = r.w[e];
   } else {
     uint16_t* q = static_cast<uint16_t*>(p);
 #pragma unroll
-    for (int e = 0; e < kSlice; ++e)
+    for (int e = 0; e < kN; ++e)
       if (e < n) q[i + e * stride] = uint16_t(r.w[e / 2] >> (16 * (e & 1)));
   }
 }
@@ -99,6 +121,22 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* global) {
                "l"(global)
                : "memory");
 }
+// The same, copying the 16 bytes at `global` when `copy`, else filling with zeros and reading
+// nothing (the address must still be a valid one).
+__device__ __forceinline__ void cp_async_16_or_zero(void* smem, const void* global, bool copy) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   unsigned(__cvta_generic_to_shared(smem))),
+               "l"(global), "r"(copy ? 16 : 0)
+               : "memory");
+}
+// The same for 4, 8 or 16 bytes (through L1: the 16-byte-only .cg form skips it).
+template <int kBytes>
+__device__ __forceinline__ void cp_async_ca(void* smem, const void* global) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(
+                   unsigned(__cvta_generic_to_shared(smem))),
+               "l"(global), "n"(kBytes)
+               : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -107,9 +145,9 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// Element e of a raw slice as float32.
-template <int kDt>
-__device__ __forceinline__ float element(const Raw<kDt>& r, int e) {
+// Element e of raw values as float32.
+template <int kDt, int kN>
+__device__ __forceinline__ float element(const Raw<kDt, kN>& r, int e) {
   if constexpr (kDt == int(Dtype::F32)) {
     return __uint_as_float(r.w[e]);
   } else {
@@ -119,11 +157,11 @@ __device__ __forceinline__ float element(const Raw<kDt>& r, int e) {
   }
 }
 
-// Eight float32 values rounded to kDt, as a raw slice.
-template <int kDt>
-__device__ __forceinline__ void narrow(const float (&v)[kSlice], Raw<kDt>& r) {
+// kN float32 values rounded to kDt, as raw values.
+template <int kDt, int kN>
+__device__ __forceinline__ void narrow(const float (&v)[kN], Raw<kDt, kN>& r) {
 #pragma unroll
-  for (int k = 0; k < kWords<kDt>; ++k) {
+  for (int k = 0; k < kRawWords<kDt, kN>; ++k) {
     if constexpr (kDt == int(Dtype::F32)) {
       r.w[k] = __float_as_uint(v[k]);
     } else if constexpr (kDt == int(Dtype::BF16)) {

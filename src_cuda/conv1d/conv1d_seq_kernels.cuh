@@ -50,19 +50,37 @@ struct SeqRow {
       : data(t.data), base(b * t.stride[0] + c * t.stride[1]), stride(t.stride[2]) {}
 };
 
-// Slice s of a row: its `n` valid elements (the last slice of a row may be partial).
-template <int kDt>
+__device__ __forceinline__ int valid_in_slice(int64_t seqlen, int64_t s) {
+  const int64_t left = seqlen - s * kSlice;
+  return left <= 0 ? 0 : left < kSlice ? int(left) : kSlice;
+}
+
+// The valid elements of slice s, which is within the lane's unit when `in`; with kFast (seqlen
+// a multiple of 8) that is all of them, without the 64-bit arithmetic.
+template <bool kFast>
+__device__ __forceinline__ int valid_if(bool in, int64_t seqlen, int64_t s) {
+  if constexpr (kFast) {
+    return in ? kSlice : 0;
+  } else {
+    return in ? valid_in_slice(seqlen, s) : 0;
+  }
+}
+
+// Where slice s of a row starts; kFast rows have stride 1 along seqlen.
+template <bool kFast>
+__device__ __forceinline__ int64_t slice_start(const SeqRow& r, int64_t s) {
+  return r.base + s * kSlice * (kFast ? 1 : r.stride);
+}
+
+// Slice s of a row: its `n` valid elements (the last slice of a row may be partial; with kFast,
+// n is 0 or 8 and the row a vector row).
+template <int kDt, bool kFast>
 __device__ __forceinline__ void fetch(const SeqRow& r, int64_t s, int n, bool vec, Raw<kDt>& v) {
   if (n <= 0) {
     clear(v);
     return;
   }
-  load_raw<kDt>(r.data, r.base + s * kSlice * r.stride, r.stride, n, vec && n == kSlice, v);
-}
-
-__device__ __forceinline__ int valid_in_slice(int64_t seqlen, int64_t s) {
-  const int64_t left = seqlen - s * kSlice;
-  return left <= 0 ? 0 : left < kSlice ? int(left) : kSlice;
+  load_raw<kDt>(r.data, slice_start<kFast>(r, s), r.stride, n, kFast || (vec && n == kSlice), v);
 }
 
 // xw[0 .. kTaps-2] (positions -(kTaps-1) .. -1) for the slice at a row's start:
@@ -107,8 +125,9 @@ __device__ __forceinline__ void tail_before(const Raw<kDt>& cur, int lane, int s
 }
 
 // x at positions 8s - (kTaps-1) .. 8s + 7 into xw: slice s (`cur`) and the tail of slice s-1
-// (`before`), or initial_states at the row's start.
-template <int kDt, int kTaps>
+// (`before`), or initial_states at the row's start. Without kStates there are none, and
+// `before` holds the zeros that stand for them.
+template <int kDt, int kTaps, bool kStates>
 __device__ __forceinline__ void x_window(const Conv1dArgs& a, const SeqPlace& at, int64_t s,
                                          bool ok, const Raw<kDt>& before, const Raw<kDt>& cur,
                                          float (&xw)[kTaps - 1 + kSlice]) {
@@ -117,7 +136,7 @@ __device__ __forceinline__ void x_window(const Conv1dArgs& a, const SeqPlace& at
   for (int h = 0; h < kHalo; ++h) xw[h] = element(before, kSlice - kHalo + h);
 #pragma unroll
   for (int e = 0; e < kSlice; ++e) xw[kHalo + e] = element(cur, e);
-  if (ok && s == 0) halo_from_initial_states<kTaps>(a, at.b, at.c, xw);
+  if (kStates && ok && s == 0) halo_from_initial_states<kTaps>(a, at.b, at.c, xw);
 }
 
 // Sequence ids of positions 8s - (kTaps-1) .. 8s + 7 into sw[0 .. kTaps+6]: the slice's own
@@ -177,10 +196,20 @@ __device__ __forceinline__ uint4* slot(BwdSlots<kDt>& sm, int stage, int kind) {
 }
 
 // Slice s of a row (its n valid elements; 0: zeros) into a slot: a full slice of a vector row by
-// cp.async, anything else loaded now and stored.
-template <int kDt>
+// cp.async, anything else loaded now and stored. With kFast (a vector row, n 0 or 8) always by
+// cp.async, which zero-fills for n 0 from the row's first slice, a valid address.
+template <int kDt, bool kFast>
 __device__ __forceinline__ void stage_slice(uint4* dst, const SeqRow& r, int64_t s, int n,
                                             bool vec) {
+  if constexpr (kFast) {
+    const uint4* src = reinterpret_cast<const uint4*>(
+        static_cast<const char*>(r.data) +
+        (r.base + (n > 0 ? s : 0) * kSlice) * (kDt == int(Dtype::F32) ? 4 : 2));
+#pragma unroll
+    for (int q = 0; q < kQuads<kDt>; ++q)
+      cp_async_16_or_zero(dst + q * kConv1dBlock, src + q, n > 0);
+    return;
+  }
   if (vec && n == kSlice) {
     const uint4* src = reinterpret_cast<const uint4*>(
         static_cast<const char*>(r.data) +
@@ -190,7 +219,7 @@ __device__ __forceinline__ void stage_slice(uint4* dst, const SeqRow& r, int64_t
     return;
   }
   Raw<kDt> v;
-  fetch(r, s, n, vec, v);
+  fetch<kDt, false>(r, s, n, vec, v);
 #pragma unroll
   for (int q = 0; q < kQuads<kDt>; ++q)
     dst[q * kConv1dBlock] = make_uint4(v.w[4 * q], v.w[4 * q + 1], v.w[4 * q + 2], v.w[4 * q + 3]);
@@ -227,9 +256,10 @@ __device__ __forceinline__ float dz_from_memory(const Conv1dArgs& a, int64_t b, 
 }
 
 // The forward kernel's body; kMasked: seq_idx is given. Without it every output has the same
-// taps, whose predicates the compiler then computes once instead of at every tap; kFull: the
-// width is kTaps, and there are none.
-template <int kDt, int kTaps, bool kMasked, bool kFull>
+// taps, whose predicates the compiler then computes once instead of at every tap. kFast: the
+// common case (seq_fast below), with no predicates on the taps, SiLU, vector rows of whole
+// slices and no states, so that nothing of the general case costs registers or instructions.
+template <int kDt, int kTaps, bool kMasked, bool kFast>
 __device__ __forceinline__ void fwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
   constexpr int kHalo = kTaps - 1;
   const SeqPlace at(a, p);
@@ -237,25 +267,30 @@ __device__ __forceinline__ void fwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
   float wt[kTaps];
   load_taps(a.weight, at.c, a.width, wt);
   const float bias = load_bias(a.bias, at.c);
-  const uint32_t wmask = body_taps<kTaps, kFull>(a.width);
+  const uint32_t wmask = body_taps<kTaps, kFast>(a.width);
   const SeqRow xr(a.x, at.b, at.c), outr(a.out, at.b, at.c);
 
   int64_t s = at.first_slice + at.lane;
   Raw<kDt> cur, carry;
-  fetch(xr, s, at.unit_ok && s < at.end_slice ? valid_in_slice(L, s) : 0, p.vec, cur);
+  fetch<kDt, kFast>(xr, s, valid_if<kFast>(at.unit_ok && s < at.end_slice, L, s), p.vec, cur);
+  Raw<kDt> nxt;
+  fetch<kDt, kFast>(xr, s + p.seg, valid_if<kFast>(at.unit_ok && s + p.seg < at.end_slice, L,
+                                                   s + p.seg),
+                    p.vec, nxt);
   // The slice before the unit, for its first lane (none at the row's start).
-  fetch(xr, at.first_slice - 1, at.lane == 0 && at.unit_ok && at.first_slice > 0 ? kSlice : 0,
-        p.vec, carry);
+  fetch<kDt, kFast>(xr, at.first_slice - 1,
+                    at.lane == 0 && at.unit_ok && at.first_slice > 0 ? kSlice : 0, p.vec, carry);
   // Every lane runs every iteration: the shuffles need the whole warp.
   for (int it = 0; it < p.iters; ++it, s += p.seg) {
     const bool ok = at.unit_ok && s < at.end_slice;
-    const int n = ok ? valid_in_slice(L, s) : 0;
-    // The next iteration's slice is fetched before this one's result is stored, so its load is
-    // in flight while this slice is computed.
-    Raw<kDt> nxt;
-    const int64_t s_next = s + p.seg;
-    fetch(xr, s_next, at.unit_ok && s_next < at.end_slice ? valid_in_slice(L, s_next) : 0, p.vec,
-          nxt);
+    const int n = valid_if<kFast>(ok, L, s);
+    // The slice two iterations on is fetched before this one's result is stored, so two loads
+    // a lane are in flight while this slice is computed.
+    Raw<kDt> after_next;
+    const int64_t s_after = s + 2 * p.seg;
+    fetch<kDt, kFast>(xr, s_after,
+                      valid_if<kFast>(at.unit_ok && s_after < at.end_slice, L, s_after), p.vec,
+                      after_next);
 
     SliceMasks tm = replicate<kTaps>(wmask);
     if constexpr (kMasked) {
@@ -270,7 +305,7 @@ __device__ __forceinline__ void fwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
     Raw<kDt> before;
     tail_before<kDt, kTaps>(cur, at.lane, p.seg, carry, before);
     float xw[kHalo + kSlice];  // x at positions 8s - (kTaps-1) .. 8s + 7
-    x_window<kDt, kTaps>(a, at, s, ok, before, cur, xw);
+    x_window<kDt, kTaps, !kFast>(a, at, s, ok, before, cur, xw);
 
     if (ok) {
       float o[kSlice];
@@ -278,21 +313,23 @@ __device__ __forceinline__ void fwd_seq(const Conv1dArgs& a, const SeqPlan& p) {
       for (int e = 0; e < kSlice; ++e) {
         const uint32_t m = kMasked ? mask_of<kTaps>(tm, e) : wmask;
         const float z = conv_at<kTaps>(xw + e, wt, bias, m);
-        o[e] = a.silu ? silu(z) : z;
+        o[e] = kFast || a.silu ? silu(z) : z;
       }
       Raw<kDt> r;
       narrow(o, r);
-      store_raw<kDt>(outr.data, outr.base + s * kSlice * outr.stride, outr.stride, n,
-                     p.vec && n == kSlice, r);
+      store_raw<kDt>(outr.data, slice_start<kFast>(outr, s), outr.stride, n,
+                     kFast || (p.vec && n == kSlice), r);
     }
     cur = nxt;
+    nxt = after_next;
   }
-  if (a.final_states.present() && holds_row_end(at, p)) write_final_states<kDt>(a, at.b, at.c);
+  if (!kFast && a.final_states.present() && holds_row_end(at, p))
+    write_final_states<kDt>(a, at.b, at.c);
 }
 
-// The backward kernel's body; kMasked and kFull as for fwd_seq; sm: the block's pipeline slots.
+// The backward kernel's body; kMasked and kFast as for fwd_seq; sm: the block's pipeline slots.
 // Iteration it takes slice first + (iters-1-it)*seg + lane: the unit from the top down.
-template <int kDt, int kTaps, bool kMasked, bool kFull>
+template <int kDt, int kTaps, bool kMasked, bool kFast>
 __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p,
                                         BwdSlots<kDt>& sm) {
   constexpr int kHalo = kTaps - 1;
@@ -302,7 +339,7 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p,
   float wt[kTaps];
   load_taps(a.weight, at.c, W, wt);
   const float bias = load_bias(a.bias, at.c);
-  const uint32_t wmask = body_taps<kTaps, kFull>(W);
+  const uint32_t wmask = body_taps<kTaps, kFast>(W);
   const bool first_lane = at.lane == 0, last_lane = at.lane == p.seg - 1;
   const SeqRow xr(a.x, at.b, at.c), gr(a.dout, at.b, at.c), dxr(a.dx, at.b, at.c);
   float dw[kTaps] = {}, db = 0.f;
@@ -328,12 +365,13 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p,
     if (j < p.iters) {
       const int64_t sj = top - int64_t(j) * p.seg;
       const bool ok = at.unit_ok && sj < at.end_slice;
-      const int n = ok ? valid_in_slice(L, sj) : 0;
+      const int n = valid_if<kFast>(ok, L, sj);
       const int st = j % kStages;
-      stage_slice<kDt>(slot<kDt>(sm, st, 0), xr, sj, n, p.vec);
-      stage_slice<kDt>(slot<kDt>(sm, st, 1), gr, sj, n, p.vec);
-      if (first_lane) stage_slice<kDt>(slot<kDt>(sm, st, 2), xr, sj - 1, ok && sj > 0 ? kSlice : 0,
-                                       p.vec);
+      stage_slice<kDt, kFast>(slot<kDt>(sm, st, 0), xr, sj, n, p.vec);
+      stage_slice<kDt, kFast>(slot<kDt>(sm, st, 1), gr, sj, n, p.vec);
+      if (first_lane)
+        stage_slice<kDt, kFast>(slot<kDt>(sm, st, 2), xr, sj - 1, ok && sj > 0 ? kSlice : 0,
+                                p.vec);
     }
     cp_async_commit();
   };
@@ -342,7 +380,7 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p,
   int64_t s = top;
   for (int it = 0; it < p.iters; ++it, s -= p.seg) {
     const bool ok = at.unit_ok && s < at.end_slice;
-    const int n = ok ? valid_in_slice(L, s) : 0;
+    const int n = valid_if<kFast>(ok, L, s);
     cp_async_wait<kStages - 2>();
     Raw<kDt> xcur, gcur, xbefore;
     const int st = it % kStages;
@@ -396,7 +434,7 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p,
       before.w[i] = first_lane ? xbefore.w[i] : up;
     }
     float xw[kHalo + kSlice];  // x at positions 8s - (kTaps-1) .. 8s + 7
-    x_window<kDt, kTaps>(a, at, s, ok, before, xcur, xw);
+    x_window<kDt, kTaps, !kFast>(a, at, s, ok, before, xcur, xw);
 
     // dz at positions 8s .. 8s + 8 + kTaps - 2: the slice's own (0 past seqlen), then the next
     // lane's first; the last lane has them from the first lane's previous iteration, and keeps
@@ -406,10 +444,11 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p,
     for (int e = 0; e < kSlice; ++e) {
       const float g = element(gcur, e);
       const uint32_t m = kMasked ? mask_of<kTaps>(tm, e) : wmask;
-      dz[e] = a.silu ? g * dsilu(conv_at<kTaps>(xw + e, wt, bias, m)) : g;
+      dz[e] = kFast || a.silu ? g * dsilu(conv_at<kTaps>(xw + e, wt, bias, m)) : g;
     }
     // One test a slice rather than one an element: a full slice has no position past seqlen.
-    if (n < kSlice) {
+    // kFast has only full slices and zero-filled ones, whose dz (0 times a finite dsilu) is 0.
+    if (!kFast && n < kSlice) {
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) dz[e] = e < n ? dz[e] : 0.f;
     }
@@ -427,15 +466,15 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p,
         for (int e = 0; e < kSlice; ++e)
           g[e] = input_grad_at<kTaps>(dz + e, wt, kMasked ? mask_of<kTaps>(gm, e) : wmask);
         // dfinal_states reaches the last W-1 positions only: one test a slice.
-        if (a.dfinal_states.present() && (s + 1) * kSlice > L - (W - 1)) {
+        if (!kFast && a.dfinal_states.present() && (s + 1) * kSlice > L - (W - 1)) {
 #pragma unroll
           for (int e = 0; e < kSlice; ++e)
             g[e] += final_state_grad(a, at.b, at.c, s * kSlice + e, (fm >> e) & 1u);
         }
         Raw<kDt> r;
         narrow(g, r);
-        store_raw<kDt>(dxr.data, dxr.base + s * kSlice * dxr.stride, dxr.stride, n,
-                       p.vec && n == kSlice, r);
+        store_raw<kDt>(dxr.data, slice_start<kFast>(dxr, s), dxr.stride, n,
+                       kFast || (p.vec && n == kSlice), r);
       }
       // Positions past seqlen have dz 0, so they add nothing.
 #pragma unroll
@@ -447,7 +486,7 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p,
           dw[k] = (m >> k) & 1u ? fmaf(dz[e], xw[e + k], dw[k]) : dw[k];
       }
       const TensorRef& di = a.dinitial_states;
-      if (di.present() && s == 0) {
+      if (!kFast && di.present() && s == 0) {
 #pragma unroll
         for (int h = 0; h < kHalo; ++h) {
           const int j = h - kHalo + W - 1;  // position h - kHalo is initial state j
@@ -482,41 +521,44 @@ __device__ __forceinline__ void bwd_seq(const Conv1dArgs& a, const SeqPlan& p,
 
 }  // namespace conv1d_detail
 
-// One kernel with packed sequences (kMasked) and one without, so the common case keeps
-// registers for nothing it does not use; the launcher picks by seq_idx. The kernel without gives
-// the width that fills the taps (4 at 4 taps, Mamba's) a body of its own, free of per-tap
-// predicates; packed sequences, with masks at every output anyway, keep one body.
-template <int kDt, int kTaps, bool kMasked>
+// Three kernels: with packed sequences (kMasked), and without in a general form and a fast one
+// (kFast), each with the registers its own body needs; the launcher picks.
+template <int kDt, int kTaps, bool kMasked, bool kFast>
 __global__ void __launch_bounds__(kConv1dBlock)
     conv1d_fwd_seq_kernel(const Conv1dArgs a, const SeqPlan p) {
-  if constexpr (!kMasked) {
-    if (a.width == kTaps) return conv1d_detail::fwd_seq<kDt, kTaps, false, true>(a, p);
-  }
-  conv1d_detail::fwd_seq<kDt, kTaps, kMasked, false>(a, p);
+  conv1d_detail::fwd_seq<kDt, kTaps, kMasked, kFast>(a, p);
 }
 
-template <int kDt, int kTaps, bool kMasked>
-__global__ void __launch_bounds__(kConv1dBlock, kConv1dBwdSeqMinBlocks<kTaps, kMasked>)
+template <int kDt, int kTaps, bool kMasked, bool kFast>
+__global__ void __launch_bounds__(kConv1dBlock, kConv1dBwdSeqMinBlocks<kDt, kTaps, kMasked, kFast>)
     conv1d_bwd_seq_kernel(const Conv1dArgs a, const SeqPlan p) {
   __shared__ conv1d_detail::BwdSlots<kDt> sm;
-  if constexpr (!kMasked) {
-    if (a.width == kTaps) return conv1d_detail::bwd_seq<kDt, kTaps, false, true>(a, p, sm);
-  }
-  conv1d_detail::bwd_seq<kDt, kTaps, kMasked, false>(a, p, sm);
+  conv1d_detail::bwd_seq<kDt, kTaps, kMasked, kFast>(a, p, sm);
+}
+
+// The fast kernels' case, Mamba's: the width is kTaps, SiLU, every row-shaped operand is a
+// vector row of whole slices, and there are no states (seq_idx is checked by the launch).
+template <int kTaps>
+bool seq_fast(const Conv1dArgs& a, const SeqPlan& p) {
+  return a.width == kTaps && a.silu && p.vec && a.seqlen % conv1d_detail::kSlice == 0 &&
+         !a.initial_states.present() && !a.final_states.present() &&
+         !a.dfinal_states.present() && !a.dinitial_states.present();
 }
 
 template <int kDt, int kTaps>
 cudaError_t launch_conv1d_fwd_seq(const Conv1dArgs& a, const SeqPlan& p, cudaStream_t stream) {
-  return launch_by_seq_idx(conv1d_fwd_seq_kernel<kDt, kTaps, true>,
-                           conv1d_fwd_seq_kernel<kDt, kTaps, false>, p.units * p.seg, a, p,
-                           stream);
+  const auto plain = seq_fast<kTaps>(a, p) ? conv1d_fwd_seq_kernel<kDt, kTaps, false, true>
+                                           : conv1d_fwd_seq_kernel<kDt, kTaps, false, false>;
+  return launch_by_seq_idx(conv1d_fwd_seq_kernel<kDt, kTaps, true, false>, plain, p.units * p.seg,
+                           a, p, stream);
 }
 
 template <int kDt, int kTaps>
 cudaError_t launch_conv1d_bwd_seq(const Conv1dArgs& a, const SeqPlan& p, cudaStream_t stream) {
-  return launch_by_seq_idx(conv1d_bwd_seq_kernel<kDt, kTaps, true>,
-                           conv1d_bwd_seq_kernel<kDt, kTaps, false>, p.units * p.seg, a, p,
-                           stream);
+  const auto plain = seq_fast<kTaps>(a, p) ? conv1d_bwd_seq_kernel<kDt, kTaps, false, true>
+                                           : conv1d_bwd_seq_kernel<kDt, kTaps, false, false>;
+  return launch_by_seq_idx(conv1d_bwd_seq_kernel<kDt, kTaps, true, false>, plain, p.units * p.seg,
+                           a, p, stream);
 }
 
 }  // namespace ssm

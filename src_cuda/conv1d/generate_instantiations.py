@@ -2,7 +2,8 @@
 kernels compile in parallel and a change to one recompiles one.
 
 The variant space is 4 launchers x 3 dtypes x 2 tap counts = 24 files, each compiling the
-launcher's two kernels (with and without seq_idx), 48 kernels in all:
+launcher's three kernels (with seq_idx, and without it in a general and a fast form), 72
+kernels in all:
 - kDt is x's dtype (x, out, dout and dx share it), so loads and conversions of the tensors that
   carry the traffic compile to straight-line code; the small operands (weight, bias, states)
   keep a run-time dtype.
@@ -10,10 +11,13 @@ launcher's two kernels (with and without seq_idx), 48 kernels in all:
   others, so widths 2..4 (Mamba's d_conv is 4) cost what width 4 costs and 5..8 what 8 costs; a
   kernel per width would triple the build for a few idle FMAs a position in memory-bound
   kernels.
-- kMasked (seq_idx given) doubles each file's compile time, and is worth it: with one kernel
-  for both, packed sequences' per-output tap masks cost a select at every tap of every position
-  in the common case, and the backward needed 190-255 registers (spilling at 8 taps) where it
-  needs 84-111 without them.
+- kMasked (seq_idx given) is worth its compile time: with one kernel for both, packed
+  sequences' per-output tap masks cost a select at every tap of every position in the common
+  case, and the backward kernels with them need 137-209 registers.
+- kFast (the width fills the taps, SiLU, vector rows, no states: Mamba's training and prefill
+  call) is a kernel of its own rather than a branch in the general one, whose loads, stores
+  and edge tests would otherwise set its registers: the fast kernels need 40-128 registers
+  where the general ones need 56-210.
 The activation and the alignment (16-byte vectors or element loads) are uniform run-time
 branches. Run this after changing the lists."""
 import pathlib
