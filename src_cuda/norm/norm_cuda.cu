@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <initializer_list>
+#include <type_traits>
 
 #include "../common/cuda_status.h"
 #include "norm_device.cuh"
@@ -254,33 +255,18 @@ size_t norm_bwd_cuda_workspace(const NormArgs& a, int device) {
   return cluster > 1 ? std::max(general, BwdSetup(a, device, cluster).workspace) : general;
 }
 
-template <int K, bool kCluster>
-cudaError_t fast_fwd_by_dtype(LeanDtypes d, const NormArgs& a, NormPlan& p, int sms,
-                              cudaStream_t s) {
-  constexpr int F32 = int(Dtype::F32), F16 = int(Dtype::F16), BF16 = int(Dtype::BF16);
-  if (d.rt != d.dt) {
-    return d.dt == F16 ? launch_norm_fwd_fast<K, F16, F32, kCluster>(a, p, sms, s)
-                       : launch_norm_fwd_fast<K, BF16, F32, kCluster>(a, p, sms, s);
-  }
+// f(kDt, kRt) for the lean kernels' dtypes, each an std::integral_constant, so that one switch
+// serves every lean launcher.
+template <class F>
+cudaError_t with_lean_dtypes(LeanDtypes d, F f) {
+  using F32 = std::integral_constant<int, int(Dtype::F32)>;
+  using F16 = std::integral_constant<int, int(Dtype::F16)>;
+  using BF16 = std::integral_constant<int, int(Dtype::BF16)>;
+  if (d.rt != d.dt) return d.dt == F16::value ? f(F16{}, F32{}) : f(BF16{}, F32{});
   switch (d.dt) {
-    case F32: return launch_norm_fwd_fast<K, F32, F32, kCluster>(a, p, sms, s);
-    case F16: return launch_norm_fwd_fast<K, F16, F16, kCluster>(a, p, sms, s);
-    default: return launch_norm_fwd_fast<K, BF16, BF16, kCluster>(a, p, sms, s);
-  }
-}
-
-template <bool kCluster>
-cudaError_t fast_bwd_by_dtype(LeanDtypes d, const NormArgs& a, NormPlan& p, int sms,
-                              cudaStream_t s) {
-  constexpr int F32 = int(Dtype::F32), F16 = int(Dtype::F16), BF16 = int(Dtype::BF16);
-  if (d.rt != d.dt) {
-    return d.dt == F16 ? launch_norm_bwd_fast<F16, F32, kCluster>(a, p, sms, s)
-                       : launch_norm_bwd_fast<BF16, F32, kCluster>(a, p, sms, s);
-  }
-  switch (d.dt) {
-    case F32: return launch_norm_bwd_fast<F32, F32, kCluster>(a, p, sms, s);
-    case F16: return launch_norm_bwd_fast<F16, F16, kCluster>(a, p, sms, s);
-    default: return launch_norm_bwd_fast<BF16, BF16, kCluster>(a, p, sms, s);
+    case F32::value: return f(F32{}, F32{});
+    case F16::value: return f(F16{}, F16{});
+    default: return f(BF16{}, BF16{});
   }
 }
 
@@ -299,9 +285,12 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
     p.block = std::max(p.threads, 256);
     p.row_blocks = ceil_div(a.rows, p.block / p.threads);
     const int sms = std::max(1, multiprocessor_count(device));
-    const cudaError_t err = K == 1        ? fast_fwd_by_dtype<1, false>(lean, a, p, sms, s)
-                            : cluster > 1 ? fast_fwd_by_dtype<2, true>(lean, a, p, sms, s)
-                                          : fast_fwd_by_dtype<2, false>(lean, a, p, sms, s);
+    const cudaError_t err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
+      constexpr int D = decltype(dt)::value, R = decltype(rt)::value;
+      return K == 1        ? launch_norm_fwd_fast<1, D, R, false>(a, p, sms, s)
+             : cluster > 1 ? launch_norm_fwd_fast<2, D, R, true>(a, p, sms, s)
+                           : launch_norm_fwd_fast<2, D, R, false>(a, p, sms, s);
+    });
     // Otherwise not one cluster fits on this device: the general kernels below.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
   }
@@ -340,8 +329,11 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   if (a.rows > 0 || p.partial != nullptr) {
     const int sms = std::max(1, multiprocessor_count(device));
     if (cluster > 0) {
-      err = cluster > 1 ? fast_bwd_by_dtype<true>(lean, a, p, sms, s)
-                        : fast_bwd_by_dtype<false>(lean, a, p, sms, s);
+      err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
+        constexpr int D = decltype(dt)::value, R = decltype(rt)::value;
+        return cluster > 1 ? launch_norm_bwd_fast<D, R, true>(a, p, sms, s)
+                           : launch_norm_bwd_fast<D, R, false>(a, p, sms, s);
+      });
       setup.partial_rows = p.row_blocks;  // as the launcher lowered it
       if (err == cudaErrorInvalidClusterSize) {
         // Not one cluster fits on this device: the general kernels (the workspace covers both).
