@@ -56,9 +56,11 @@ def run_scan_cases():
 
 
 # rows, hidden, group_size, kind, x dtype, weight dtype, z, norm_before_gate, pad, residual dtype.
-# A float32 residual beside 16-bit x takes the general kernels; one dtype for every row and no
-# gate the lean ones, past 4096 columns on thread-block clusters (8200: 3 CTAs, 24584: 7, 40000:
-# 10, 65536: 16).
+# Aligned rows of one dtype, or 16-bit x beside a float32 residual stream without a gate, take
+# the lean kernels: the forward one slice a thread up to 1024 columns, staged beyond, on
+# clusters once a CTA's stage would pass 110 KB (24584 half: 4 CTAs, 65536 bf16: 8); the
+# backward on clusters past 8192 16-bit columns. Padded rows and other mixes take the general
+# kernels.
 NORM_CASES = [
     (7, 1, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.float32),
     (33, 7, 1, "layer", torch.float16, torch.float16, True, True, 0, torch.float32),
@@ -77,6 +79,10 @@ NORM_CASES = [
     (37, 24584, 0, "layer", torch.float16, torch.float16, False, True, 0, torch.float16),
     (300, 40000, 0, "rms", torch.float32, torch.float32, False, True, 0, torch.float32),
     (3, 65536, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, torch.bfloat16),
+    # The staged forward with a gate: one CTA a segment, a cluster of 8, one of 7 (float32).
+    (5, 4104, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.bfloat16),
+    (3, 40000, 0, "layer", torch.bfloat16, torch.float32, True, True, 0, torch.bfloat16),
+    (7, 16384, 0, "layer", torch.float32, torch.float32, True, False, 0, torch.float32),
 ]
 
 

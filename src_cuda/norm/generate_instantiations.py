@@ -8,10 +8,9 @@ import pathlib
 # (K, kTail): the tail variant only at the largest K, which serves the longest segments.
 FWD_SLICES = ((1, False), (2, False), (4, False), (4, True))
 BWD_SLICES = ((2, False), (2, True))
-# The lean forward (K, kCluster): thread-block clusters only at 2 slices, which the segments past
-# one CTA need; the lean backward (kCluster). Each for every (kDt, kRt) of FAST_DTYPES.
-FAST_FWD = ((1, False), (2, False), (2, True))
-FAST_BWD = (False, True)
+# The lean backward (kCluster) and the staged forward (kCluster), each for every (kDt, kRt) of
+# FAST_DTYPES, and the lean forward (one slice a thread, no clusters).
+CLUSTERED = (False, True)
 DTYPES = {-1: "generic", 0: "f32", 1: "f16", 2: "bf16"}  # values of ssm::Dtype
 # (kDt, kRt): one dtype, or a float32 residual stream beside 16-bit x.
 FAST_DTYPES = ((0, 0), (1, 1), (2, 2), (1, 0), (2, 0))
@@ -50,15 +49,19 @@ def main():
                    "template int norm_bwd_blocks_per_sm<%s>(int);" % args])
     for dt, rt in FAST_DTYPES:
         tag = DTYPES[dt] if dt == rt else "%s_%s" % (DTYPES[dt], DTYPES[rt])
-        rows = "%s rows" % DTYPES[dt] + ("" if dt == rt else ", residual stream %s" % DTYPES[rt])
-        for k, cluster in FAST_FWD:
-            write("norm_fwd_fast_k%d%s_%s.cu" % (k, "_cluster" if cluster else "", tag),
-                  "the lean fused-norm forward, %d slice(s) a thread%s, %s."
-                  % (k, ", thread-block clusters" if cluster else "", rows),
-                  ["template cudaError_t launch_norm_fwd_fast<%d, %d, %d, %s>(const NormArgs&,"
-                   " NormPlan&, int, cudaStream_t);" % (k, dt, rt, str(cluster).lower())],
-                  header="norm_fast.cuh")
-        for cluster in FAST_BWD:
+        rows = "%s rows" % DTYPES[dt] + ("" if dt == rt else ", a %s residual stream" % DTYPES[rt])
+        write("norm_fwd_fast_%s.cu" % tag, "the lean fused-norm forward, %s." % rows,
+              ["template cudaError_t launch_norm_fwd_fast<%d, %d>(const NormArgs&, NormPlan&,"
+               " int, cudaStream_t);" % (dt, rt)],
+              header="norm_fast.cuh")
+        for cluster in CLUSTERED:
+            write("norm_fwd_staged%s_%s.cu" % ("_cluster" if cluster else "", tag),
+                  "the staged fused-norm forward%s, %s."
+                  % (", thread-block clusters" if cluster else "", rows),
+                  ["template cudaError_t launch_norm_fwd_staged<%d, %d, %s>(const NormArgs&,"
+                   " const NormPlan&, cudaStream_t);" % (dt, rt, str(cluster).lower())],
+                  header="norm_staged.cuh")
+        for cluster in CLUSTERED:
             write("norm_bwd_fast%s_%s.cu" % ("_cluster" if cluster else "", tag),
                   "the lean fused-norm backward%s, %s."
                   % (", thread-block clusters" if cluster else "", rows),

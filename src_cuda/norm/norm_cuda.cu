@@ -270,6 +270,38 @@ cudaError_t with_lean_dtypes(LeanDtypes d, F f) {
   }
 }
 
+// The staged forward's plan for a lean call (norm_plan.h): one CTA a segment while its stage
+// fits kStageBudget (two CTAs an SM), else the fewest CTAs of a cluster whose stages fit
+// kClusterStageBudget each, up to kMaxCluster. False where that is not enough, or a cluster
+// would be needed and the device runs none, or the grid would be too large. One H200, bf16 with
+// a bf16 residual (TB/s): 32 KB CTAs beat 64 KB ones at 65536 columns (3.50 against 3.46),
+// 16 KB ones lost there (2.57); a 96 KB stage in one CTA beat two clustered 48 KB ones (3.61
+// against 3.12, LayerNorm with a float32 residual stream at 16384).
+constexpr int64_t kStageBudget = 110 * 1024;
+constexpr int64_t kClusterStageBudget = 32 * 1024;
+
+bool staged_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
+  const int nslices = slices_of(a);
+  const int64_t per_slice = slice_bytes(Dtype(d.dt)) * (a.z.present() ? 2 : 1) +
+                            (a.residual.present() ? slice_bytes(Dtype(d.rt)) : 0);
+  auto fits = [&](int c, int64_t budget) {
+    return ceil_div(nslices, c) <= kStagedSlices * kNormMaxThreads &&
+           ceil_div(nslices, c) * per_slice <= budget;
+  };
+  int cluster = 1;
+  if (!fits(1, kStageBudget)) {
+    cluster = 2;
+    while (cluster <= kMaxCluster && !fits(cluster, kClusterStageBudget)) ++cluster;
+  }
+  if (cluster > kMaxCluster || (cluster > 1 && !cluster_kernels_run(device))) return false;
+  p = shape_plan(a, kStagedSlices, cluster);
+  // A cluster adds one sum a CTA (cluster_sum): one segment a block there.
+  p.block = cluster > 1 ? p.threads : std::max(p.threads, 256);
+  p.vec = true;
+  p.row_blocks = ceil_div(a.rows, p.block / p.threads);
+  return p.row_blocks * a.ngroups * cluster <= INT_MAX;
+}
+
 ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   CudaDeviceGuard guard(device);
   if (guard.status() != SSM_SUCCESS) return guard.status();
@@ -278,24 +310,29 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   const int nslices = slices_of(a);
   const int dt = common_row_dtype(a);
   const LeanDtypes lean = fwd_lean_dtypes(a, can_vectorize(a));
-  const int cluster = lean.ok ? lean_cluster(nslices, device) : 0;
-  if (cluster > 0) {
-    const int K = nslices <= 128 ? 1 : 2;
-    NormPlan p = shape_plan(a, K, cluster);
+  NormPlan p;
+  if (lean.ok && nslices <= kFastFwdSlices) {
+    p = shape_plan(a, 1);
     p.block = std::max(p.threads, 256);
     p.row_blocks = ceil_div(a.rows, p.block / p.threads);
     const int sms = std::max(1, multiprocessor_count(device));
+    return cuda_status(with_lean_dtypes(lean, [&](auto dt, auto rt) {
+                         return launch_norm_fwd_fast<decltype(dt)::value, decltype(rt)::value>(
+                             a, p, sms, s);
+                       }),
+                       "norm_fwd launch");
+  }
+  if (lean.ok && staged_plan(a, lean, device, p)) {
     const cudaError_t err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
       constexpr int D = decltype(dt)::value, R = decltype(rt)::value;
-      return K == 1        ? launch_norm_fwd_fast<1, D, R, false>(a, p, sms, s)
-             : cluster > 1 ? launch_norm_fwd_fast<2, D, R, true>(a, p, sms, s)
-                           : launch_norm_fwd_fast<2, D, R, false>(a, p, sms, s);
+      return p.cluster > 1 ? launch_norm_fwd_staged<D, R, true>(a, p, s)
+                           : launch_norm_fwd_staged<D, R, false>(a, p, s);
     });
     // Otherwise not one cluster fits on this device: the general kernels below.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
   }
   const int K = fwd_slices(nslices);
-  NormPlan p = shape_plan(a, K);
+  p = shape_plan(a, K);
   p.vec = can_vectorize(a);
   p.row_blocks = std::min<int64_t>(ceil_div(a.rows, p.block / p.threads), INT_MAX / a.ngroups);
   const bool tail = p.nslices > K * p.threads;

@@ -1,15 +1,16 @@
-// The lean forward and backward for the calls most models make: every row-shaped operand 16-byte
-// aligned, of one dtype, or of two where the residual stream is kept in float32 beside 16-bit x
-// (Mamba's residual_in_fp32). The general kernels (norm_kernels.cuh) spend about 49 instructions
-// an element on their run-time options, re-checked slice by slice, and issue for 60% of the
-// cycles (ncu, 4096 bf16 columns), so they cannot reach the bandwidth. These decide the options
-// at compile time or once a row, keep the weight in registers for the whole walk down the rows (a
-// thread's columns never change), and load the next row while they reduce and store this one. A
-// CTA of up to 512 threads keeps 2 slices a thread (8192 16-bit columns); longer segments, up to
-// 65536 columns, are shared by the CTAs of a thread-block cluster (kCluster, sm_90 and later;
-// norm_plan.h) that add their partial sums through distributed shared memory, so every row is
-// still read from DRAM once. Both take the gate where every row-shaped operand has one dtype.
-// Included only by the instantiation files.
+// The lean kernels for the calls most models make: every row-shaped operand 16-byte aligned, of
+// one dtype, or of two where the residual stream is kept in float32 beside 16-bit x (Mamba's
+// residual_in_fp32). The general kernels (norm_kernels.cuh) spend about 49 instructions an
+// element on their run-time options, re-checked slice by slice, and issue for 60% of the cycles
+// (ncu, 4096 bf16 columns), so they cannot reach the bandwidth. These decide the options at
+// compile time or once a row, keep the weight in registers for the whole walk down the rows (a
+// thread's columns never change), and load the next row while they reduce and store this one.
+// The forward here keeps one slice a thread, for short segments (longer ones are staged through
+// shared memory, norm_staged.cuh). The backward keeps 2 slices a thread in a CTA of up to 512
+// threads (8192 16-bit columns); longer segments, up to 65536 columns, are shared by the CTAs of
+// a thread-block cluster (kCluster, sm_90 and later; norm_plan.h) that add their partial sums
+// through distributed shared memory, so every row is still read from DRAM once. Both take the
+// gate where every row-shaped operand has one dtype. Included only by the instantiation files.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -109,19 +110,21 @@ __device__ __forceinline__ int64_t row_step(const NormArgs& a, const NormPlan& p
 }
 
 // kDt: x, y and z; kRt: residual and residual_out (kDt too, or float32 beside 16-bit x). kGate:
-// z given (one dtype only; norm_before_gate decides once a row where silu(z) multiplies).
-template <int K, int kDt, int kRt, bool kGate, bool kCluster>
+// z given (one dtype only; norm_before_gate decides once a row where silu(z) multiplies). One
+// slice a thread, for segments of up to kFastFwdSlices slices: longer ones go to the staged
+// forward (norm_staged.cuh), which these beat only while a segment is a few hundred columns.
+template <int kDt, int kRt, bool kGate>
 __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const NormArgs a,
                                                                         const NormPlan p) {
   using namespace norm_detail;
+  constexpr int K = 1;
   constexpr Dtype D = Dtype(kDt), R = Dtype(kRt);
-  // Two buffers used in turn: one barrier a reduction (segment_sum with red_free, cluster_sum).
+  // Two buffers used in turn: one barrier a reduction (segment_sum with red_free).
   __shared__ float red[2][kNormMaxThreads / 32];
-  __shared__ float totals[2][1];
-  const Place at(a, p, kCluster);
+  const Place at(a, p);
   const int T = p.threads;
   const int slots = at.slots;
-  const int64_t step = row_step(a, p, at, kCluster);
+  const int64_t step = row_step(a, p, at, false);
   const float inv_len = 1.f / float(a.group_size);
   const bool residual = a.residual.present();
   const bool gate_first = kGate && !a.norm_before_gate;
@@ -150,8 +153,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const No
   int64_t r = at.row_block * slots + at.slot;
   fetch(r);
   int phase = 0;
-  // Every thread of the block (of the cluster) runs the same number of iterations: segment_sum
-  // and cluster_sum synchronise.
+  // Every thread of the block runs the same number of iterations: segment_sum synchronises.
   for (int64_t base = at.row_block * slots; base < a.rows; base += step, r += step) {
     Slice g[K], t[K], u[K];
 #pragma unroll
@@ -189,7 +191,6 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const No
       for (int e = 0; e < kSlice; ++e) acc[0] += a.layer_norm ? g[k][e] : g[k][e] * g[k][e];
     }
     segment_sum(acc, T, red[phase], true);
-    cluster_sum<kCluster>(acc, totals[phase], p.cluster);
     phase ^= 1;
     float mean = 0.f, var = acc[0] * inv_len;
     if (a.layer_norm) {
@@ -203,7 +204,6 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const No
           dev[0] += valid[k] ? d * d : 0.f;
         }
       segment_sum(dev, T, red[phase], true);
-      cluster_sum<kCluster>(dev, totals[phase], p.cluster);
       phase ^= 1;
       var = dev[0] * inv_len;
     }
@@ -231,7 +231,6 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const No
       store_slice(a.y.data, D, r * a.y.stride[0] + col[k], kSlice, true, g[k]);
     }
   }
-  cluster_done<kCluster>();
 }
 
 // The gate of a lean kernel, a template argument: none, y = norm(s silu(z)) (Mamba-2's
@@ -439,15 +438,13 @@ cudaError_t launch_persistent(void (*kernel)(NormArgs, NormPlan), const NormArgs
   return cudaLaunchKernelEx(&config, kernel, a, p);
 }
 
-template <int K, int kDt, int kRt, bool kCluster>
+template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
   if constexpr (kDt == kRt) {
     if (a.z.present())
-      return launch_persistent<kCluster>(norm_fwd_fast_kernel<K, kDt, kRt, true, kCluster>, a, p,
-                                         sms, stream);
+      return launch_persistent<false>(norm_fwd_fast_kernel<kDt, kRt, true>, a, p, sms, stream);
   }
-  return launch_persistent<kCluster>(norm_fwd_fast_kernel<K, kDt, kRt, false, kCluster>, a, p,
-                                     sms, stream);
+  return launch_persistent<false>(norm_fwd_fast_kernel<kDt, kRt, false>, a, p, sms, stream);
 }
 
 template <int kDt, int kRt, bool kCluster>

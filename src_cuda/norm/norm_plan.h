@@ -12,6 +12,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "norm_args.h"
@@ -47,27 +48,50 @@ cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 
 // The lean kernels (norm_fast.cuh). kDt: the dtype of x, y, z, dy and dx; kRt: that of the
 // residual stream (residual and residual_out forward; x, dresidual_out and dresidual backward),
-// kDt too or float32 beside 16-bit kDt. kCluster: a segment is shared by the p.cluster CTAs of a
-// thread-block cluster (sm_90 and later), p.cta_slices slices each, that add their partial sums
-// through distributed shared memory; without it one CTA holds a segment. The forward's launcher
-// lowers p.row_blocks to the blocks (clusters) that run at once, and so does the backward's with
-// kCluster (without, the fused plan has sized it): the backward's partial sums have
-// p.row_blocks rows. With kCluster they return cudaErrorInvalidClusterSize, launching nothing,
-// when not one cluster of p.cluster CTAs fits on the device. Both take a gate where
-// kDt == kRt.
-template <int K, int kDt, int kRt, bool kCluster>
+// kDt too or float32 beside 16-bit kDt. Both take a gate where kDt == kRt. The forward keeps
+// one slice a thread, for segments of up to kFastFwdSlices slices (one H200, bf16 with a bf16
+// residual, % of copy against the staged forward: 72 / 64 at 256 columns, 82 / 76 at 512,
+// 85 / 87 at 1024); its launcher lowers p.row_blocks to the blocks that run at once. The
+// backward with kCluster shares a segment among the p.cluster CTAs of a thread-block cluster
+// (sm_90 and later), p.cta_slices slices each, that add their partial sums through distributed
+// shared memory; without it one CTA holds a segment. Its launcher lowers p.row_blocks to the
+// clusters that run at once with kCluster (without, the fused plan has sized it): the partial
+// sums have p.row_blocks rows. With kCluster it returns cudaErrorInvalidClusterSize, launching
+// nothing, when not one cluster of p.cluster CTAs fits on the device.
+constexpr int kFastFwdSlices = 128;
+template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 // The lean backward keeps kFastBwdSlices slices a thread, like the fused general one.
 constexpr int kFastBwdSlices = 2;
 template <int kDt, int kRt, bool kCluster>
 cudaError_t launch_norm_bwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
-// The lean kernels' clusters: up to 8 CTAs (the portable cluster size), 2 slices a thread, of
+// The lean backward's clusters: up to 8 CTAs (the portable cluster size), 2 slices a thread, of
 // 256 threads while 8 of those hold the segment (32768 16-bit columns), of 512 beyond. One H200,
-// bf16 (TB/s forward / backward): 256 threads beat 512 at 16384 and 32768 columns (2.81 / 1.71
-// against 2.66 / 1.63 at 16384), but not below: at 8192 one 512-thread CTA without a cluster
-// (3.87 / 2.51) beats two clustered ones (3.05 / 1.84), whose barriers cost more than they save.
+// bf16 (TB/s backward): 256 threads beat 512 at 16384 and 32768 columns (1.71 against 1.63 at
+// 16384), but not below: at 8192 one 512-thread CTA without a cluster (2.51) beats two clustered
+// ones (1.84), whose barriers cost more than they save. The staged forward's clusters are up to
+// kMaxCluster CTAs too (norm_cuda.cu sizes them).
 constexpr int kMaxCluster = 8;
 constexpr int kClusterThreads = 256;
+
+// The staged forward (norm_staged.cuh): the lean forward's calls with each CTA's share of its
+// rows copied to shared memory first. One CTA a row block (p.row_blocks * ngroups blocks, or
+// clusters of p.cluster CTAs with kCluster); each thread takes up to kStagedSlices slices of
+// its segment (p.cta_slices <= kStagedSlices * p.threads), unrolled, so the weight of all of
+// them is loaded before any is used. staged_fwd_bytes: its dynamic shared memory. Returns
+// cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the device.
+constexpr int kStagedSlices = 4;
+template <int kDt, int kRt, bool kCluster>
+cudaError_t launch_norm_fwd_staged(const NormArgs& a, const NormPlan& p, cudaStream_t stream);
+
+// Bytes of one 8-column slice of dtype d.
+__host__ __device__ constexpr int slice_bytes(Dtype d) { return d == Dtype::F32 ? 32 : 16; }
+
+inline size_t staged_fwd_bytes(const NormArgs& a, const NormPlan& p, Dtype dt, Dtype rt) {
+  const int per_slice = slice_bytes(dt) * (a.z.present() ? 2 : 1) +
+                        (a.residual.present() ? slice_bytes(rt) : 0);
+  return size_t(p.block / p.threads) * size_t(p.cta_slices) * size_t(per_slice);
+}
 
 // How many blocks of `block` threads of the backward kernel fit on one SM.
 template <int K, int kDt, bool kTail>

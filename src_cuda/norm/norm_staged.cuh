@@ -1,0 +1,307 @@
+// The staged forward: the lean forward's calls (norm_fast.cuh) for long segments and gates,
+// with each CTA's share of its rows copied global -> shared memory by cp.async (sm_80 and later)
+// instead of through registers. The register kernels keep a row a thread in flight at most (the
+// next one, loaded while this one is reduced), and long segments or a gate leave them few
+// threads an SM: the gated forward used 125 registers, one 512-thread CTA an SM, and ran at 63%
+// of copy; the clusters past 8192 columns at 61-74%. Here a CTA issues every load of its share
+// at once, holds none of it in registers, and several CTAs an SM are at different steps, so the
+// memory system always has loads to serve. Each CTA takes one row block (not persistent: a new
+// CTA starts loading the moment one ends); its threads read the staged slices back three times
+// (statistics, LayerNorm's second moment, output), which shared memory serves at a small part
+// of its bandwidth. Included only by the instantiation files.
+#pragma once
+
+#include "norm_fast.cuh"
+
+namespace ssm {
+
+namespace norm_detail {
+
+// 16 bytes global -> shared without registers; complete (for this thread) after staged_wait.
+__device__ __forceinline__ void stage_16_bytes(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(smem))),
+               "l"(gmem)
+               : "memory");
+}
+
+__device__ __forceinline__ void staged_wait() {
+  asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+}
+
+// The cluster's sum of one float a CTA, pushed instead of pulled: every CTA stores its total
+// into slot `rank` of every CTA's inbox (st.async, which counts its bytes on the receiver's
+// mbarrier) and waits on its own mbarrier until all have landed, then adds the inbox in rank
+// order, so every thread of every CTA gets the same bits. Nothing waits for the slowest CTA to
+// arrive at a barrier, and no CTA needs the others to stay resident after its wait (they write
+// only into CTAs still waiting for them), so the kernel ends without a cluster barrier. Each
+// (inbox, mbarrier) pair serves one sum a launch. Called by every thread of the block, after
+// cluster_inbox_ready.
+struct ClusterInbox {
+  float value[kMaxCluster];
+  alignas(8) unsigned long long landed;
+};
+
+// Thread 0 readies `boxes` before any peer may store into them: call first thing, then
+// cluster_inbox_ready before the first cluster_push_sum (the loads can go in between).
+template <int N>
+__device__ __forceinline__ void cluster_inbox_init(ClusterInbox (&boxes)[N]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&boxes[i].landed));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __cluster_barrier_arrive_relaxed();
+#endif
+}
+
+__device__ __forceinline__ void cluster_inbox_ready() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __cluster_barrier_wait();
+#endif
+}
+
+__device__ __forceinline__ float cluster_push_sum(float v, ClusterInbox& box, int ranks,
+                                                  int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&box.landed));
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                 "r"(unsigned(ranks * sizeof(float)))
+                 : "memory");
+  }
+  if (int(threadIdx.x) < ranks) {
+    const unsigned slot = static_cast<unsigned>(__cvta_generic_to_shared(&box.value[rank]));
+    unsigned remote_slot, remote_bar;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_slot) : "r"(slot),
+                 "r"(threadIdx.x));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar),
+                 "r"(threadIdx.x));
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                     remote_slot),
+                 "r"(__float_as_uint(v)), "r"(remote_bar)
+                 : "memory");
+  }
+  unsigned done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(bar)
+        : "memory");
+  }
+  const int lane = threadIdx.x & 31;
+  float t = lane < ranks ? box.value[lane & 7] : 0.f;
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+  return __shfl_sync(0xffffffffu, t, 0);
+#else
+  return v;
+#endif
+}
+
+template <Dtype D>
+__device__ __forceinline__ void stage_slice(char* to, const TensorRef& t, int64_t r,
+                                            int64_t col) {
+  constexpr int kBytes = D == Dtype::F32 ? 4 : 2;
+  const char* from = static_cast<const char*>(t.data) + (r * t.stride[0] + col) * kBytes;
+  stage_16_bytes(to, from);
+  if (D == Dtype::F32) stage_16_bytes(to + 16, from + 16);
+}
+
+}  // namespace norm_detail
+
+// kDt, kRt, kGate as for norm_fwd_fast_kernel. The stage (dynamic shared memory) holds, for
+// each of the block's slots, p.cta_slices slices of x, then of residual, then of z. With the
+// gate first, g = s silu(z) is made once and kept in float32 where that slice's x and z were
+// (x's 32 bytes for float32, x's then z's 16 for 16-bit dtypes): recomputing it for the output
+// took two more exponentials and reciprocals an element, and ran at 53% of copy against 68%.
+template <int kDt, int kRt, bool kGate, bool kCluster>
+__global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_staged_kernel(const NormArgs a,
+                                                                          const NormPlan p) {
+  using namespace norm_detail;
+  constexpr Dtype D = Dtype(kDt), R = Dtype(kRt);
+  constexpr int BD = slice_bytes(D), BR = slice_bytes(R);
+  constexpr int K = kStagedSlices;
+  extern __shared__ __align__(16) char stage[];
+  __shared__ float red[2][kNormMaxThreads / 32];
+  __shared__ ClusterInbox inbox[kCluster ? 2 : 1];
+  if (kCluster) cluster_inbox_init(inbox);
+  const Place at(a, p, kCluster);
+  const int T = p.threads;
+  const int64_t r = at.row_block * at.slots + at.slot;
+  const bool row_ok = r < a.rows;
+  const bool residual = a.residual.present();
+  const bool gate_first = kGate && !a.norm_before_gate;
+  const size_t own = size_t(at.slot) * p.cta_slices;    // the slot's first slice in a region
+  const size_t span = size_t(at.slots) * p.cta_slices;  // slices of one operand in the stage
+  char* const sx = stage + own * BD;
+  char* const sr = stage + span * BD + own * BR;
+  char* const sz = stage + span * (BD + (residual ? BR : 0)) + own * BD;
+
+  // Slice k of this thread is v = lane + k * T of the block's share, at column col(k); it
+  // exists when v < live (nothing past the last row). Recomputed where used: columns and
+  // weights held across the loops cost spills, and those kept CTAs off the SM.
+  const int live = row_ok ? at.limit : 0;
+  auto col = [&](int k) { return at.col0 + int64_t(at.lane + k * T) * kSlice; };
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int v = at.lane + k * T;
+    if (v >= live) continue;
+    stage_slice<D>(sx + v * BD, a.x, r, col(k));
+    if (residual) stage_slice<R>(sr + v * BR, a.residual, r, col(k));
+    if (kGate) stage_slice<D>(sz + v * BD, a.z, r, col(k));
+  }
+  staged_wait();
+  if (kCluster) cluster_inbox_ready();
+  auto row_sum = [&](float v, int i) {
+    float t[1] = {v};
+    segment_sum(t, T, red[i], true);
+    if constexpr (kCluster)
+      return cluster_push_sum(t[0], inbox[i], p.cluster, int(blockIdx.x % p.cluster));
+    else
+      return t[0];
+  };
+
+  // s = x + residual of slice k, from the stage.
+  auto load_s = [&](int v, Slice& g) {
+    fetch_slice(sx + v * BD, D, 0, kSlice, true, g);
+    widen_slice(D, true, g);
+    if (residual) {
+      Slice t;
+      fetch_slice(sr + v * BR, R, 0, kSlice, true, t);
+      widen_slice(R, true, t);
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) g[e] += t[e];
+    }
+  };
+  auto load_gate = [&](int v, Slice& u) {
+    fetch_slice(sz + v * BD, D, 0, kSlice, true, u);
+    widen_slice(D, true, u);
+#pragma unroll
+    for (int e = 0; e < kSlice; ++e) u[e] = silu(u[e]);
+  };
+  // Where the gate-first g of slice v is kept: two float4 halves.
+  auto kept = [&](int v, int half) {
+    return reinterpret_cast<float4*>(half == 0 ? sx + v * BD
+                                     : D == Dtype::F32 ? sx + v * BD + 16 : sz + v * BD);
+  };
+  // g: s, or the kept s silu(z) when the gate comes first.
+  auto load_g = [&](int v, Slice& g) {
+    if (gate_first) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float4 q = *kept(v, h);
+        g[4 * h] = q.x, g[4 * h + 1] = q.y, g[4 * h + 2] = q.z, g[4 * h + 3] = q.w;
+      }
+    } else {
+      load_s(v, g);
+    }
+  };
+
+  float acc = 0.f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int v = at.lane + k * T;
+    if (v >= live) continue;
+    Slice g;
+    load_s(v, g);
+    if (a.residual_out.present())
+      store_slice(a.residual_out.data, R, r * a.residual_out.stride[0] + col(k), kSlice, true,
+                  g);
+    if (gate_first) {
+      Slice u;
+      load_gate(v, u);
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) g[e] *= u[e];
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *kept(v, h) = make_float4(g[4 * h], g[4 * h + 1], g[4 * h + 2], g[4 * h + 3]);
+    }
+#pragma unroll
+    for (int e = 0; e < kSlice; ++e) acc += a.layer_norm ? g[e] : g[e] * g[e];
+  }
+  const float inv_len = 1.f / float(a.group_size);
+  float mean = 0.f, var = row_sum(acc, 0) * inv_len;
+  if (a.layer_norm) {
+    mean = var;
+    float dev = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int v = at.lane + k * T;
+      if (v >= live) continue;
+      Slice g;
+      load_g(v, g);
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) dev += (g[e] - mean) * (g[e] - mean);
+    }
+    var = row_sum(dev, 1) * inv_len;
+  }
+  const float rstd = rsqrtf(var + a.eps);
+  if (row_ok && at.lane == 0 && at.first == 0) {
+    if (a.mean.present()) store_stat(a.mean, r, at.group, mean);
+    if (a.rstd.present()) store_stat(a.rstd, r, at.group, rstd);
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int v = at.lane + k * T;
+    if (v >= live) continue;
+    Slice w, g;
+    slice_scale(a, true, col(k), w);
+    load_g(v, g);
+#pragma unroll
+    for (int e = 0; e < kSlice; ++e) g[e] = (g[e] - mean) * rstd * w[e];
+    if (a.bias.present()) {
+      fetch_slice(a.bias.data, a.bias.dtype, col(k), kSlice, true, w);
+      widen_slice(a.bias.dtype, true, w);
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) g[e] += w[e];
+    }
+    if (kGate && !gate_first) {
+      load_gate(v, w);
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) g[e] *= w[e];
+    }
+    store_slice(a.y.data, D, r * a.y.stride[0] + col(k), kSlice, true, g);
+  }
+}
+
+template <int kDt, int kRt, bool kCluster>
+cudaError_t launch_norm_fwd_staged(const NormArgs& a, const NormPlan& p, cudaStream_t stream) {
+  auto kernel = norm_fwd_staged_kernel<kDt, kRt, false, kCluster>;
+  if constexpr (kDt == kRt) {
+    if (a.z.present()) kernel = norm_fwd_staged_kernel<kDt, kRt, true, kCluster>;
+  }
+  const size_t smem = staged_fwd_bytes(a, p, Dtype(kDt), Dtype(kRt));
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(p.row_blocks * a.ngroups * p.cluster));
+  config.blockDim = dim3(unsigned(p.block));
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  if constexpr (kCluster) {
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = unsigned(p.cluster);
+    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    int fit = 0;
+    err = cudaOccupancyMaxActiveClusters(&fit, kernel, &config);
+    if (err != cudaSuccess || fit == 0) {
+      cudaGetLastError();
+      return cudaErrorInvalidClusterSize;
+    }
+  }
+  return cudaLaunchKernelEx(&config, kernel, a, p);
+}
+
+}  // namespace ssm
