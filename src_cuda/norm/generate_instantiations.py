@@ -11,6 +11,15 @@ BWD_SLICES = ((2, False), (2, True))
 # The lean backward (kCluster) and the staged forward (kCluster), each for every (kDt, kRt) of
 # FAST_DTYPES, and the lean forward (one slice a thread, no clusters).
 CLUSTERED = (False, True)
+# (file stem, what it holds, the launcher's declaration, its header) of those two.
+CLUSTERED_LAUNCHERS = (
+    ("norm_fwd_staged", "the staged fused-norm forward",
+     "launch_norm_fwd_staged<%d, %d, %s>(const NormArgs&, const NormPlan&, cudaStream_t)",
+     "norm_staged.cuh"),
+    ("norm_bwd_fast", "the lean fused-norm backward",
+     "launch_norm_bwd_fast<%d, %d, %s>(const NormArgs&, NormPlan&, int, cudaStream_t)",
+     "norm_fast.cuh"),
+)
 DTYPES = {-1: "generic", 0: "f32", 1: "f16", 2: "bf16"}  # values of ssm::Dtype
 # (kDt, kRt): one dtype, or a float32 residual stream beside 16-bit x.
 FAST_DTYPES = ((0, 0), (1, 1), (2, 2), (1, 0), (2, 0))
@@ -55,19 +64,11 @@ def main():
                " int, cudaStream_t);" % (dt, rt)],
               header="norm_fast.cuh")
         for cluster in CLUSTERED:
-            write("norm_fwd_staged%s_%s.cu" % ("_cluster" if cluster else "", tag),
-                  "the staged fused-norm forward%s, %s."
-                  % (", thread-block clusters" if cluster else "", rows),
-                  ["template cudaError_t launch_norm_fwd_staged<%d, %d, %s>(const NormArgs&,"
-                   " const NormPlan&, cudaStream_t);" % (dt, rt, str(cluster).lower())],
-                  header="norm_staged.cuh")
-        for cluster in CLUSTERED:
-            write("norm_bwd_fast%s_%s.cu" % ("_cluster" if cluster else "", tag),
-                  "the lean fused-norm backward%s, %s."
-                  % (", thread-block clusters" if cluster else "", rows),
-                  ["template cudaError_t launch_norm_bwd_fast<%d, %d, %s>(const NormArgs&,"
-                   " NormPlan&, int, cudaStream_t);" % (dt, rt, str(cluster).lower())],
-                  header="norm_fast.cuh")
+            for stem, what, launcher, header in CLUSTERED_LAUNCHERS:
+                write("%s%s_%s.cu" % (stem, "_cluster" if cluster else "", tag),
+                      "%s%s, %s." % (what, ", thread-block clusters" if cluster else "", rows),
+                      ["template cudaError_t %s;" % launcher % (dt, rt, str(cluster).lower())],
+                      header=header)
 
 
 if __name__ == "__main__":

@@ -295,7 +295,7 @@ bool staged_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   }
   if (cluster > kMaxCluster || (cluster > 1 && !cluster_kernels_run(device))) return false;
   p = shape_plan(a, kStagedSlices, cluster);
-  // A cluster adds one sum a CTA (cluster_sum): one segment a block there.
+  // A cluster exchanges one sum a CTA (cluster_push_sum): one segment a block there.
   p.block = cluster > 1 ? p.threads : std::max(p.threads, 256);
   p.vec = true;
   p.row_blocks = ceil_div(a.rows, p.block / p.threads);

@@ -13,8 +13,6 @@
 // gate where every row-shaped operand has one dtype. Included only by the instantiation files.
 #pragma once
 
-#include <cooperative_groups.h>
-
 #include <algorithm>
 
 #include "norm_device.cuh"
@@ -60,44 +58,120 @@ __device__ __forceinline__ void column_scale(const NormArgs& a, const bool (&val
   for (int k = 0; k < K; ++k) slice_scale(a, valid[k], col[k], w[k]);
 }
 
-// With kCluster, adds the M block totals of the cluster's CTAs (each CTA's thread 0 leaves its
-// own in `mine`), in rank order through a butterfly over 8 lanes: every thread of every CTA gets
-// the same bits. The cluster barrier between the write and the reads also means that when a CTA
-// writes `mine` again two calls later, every CTA has read this call's: callers alternate two.
-template <bool kCluster, int M>
-__device__ __forceinline__ void cluster_sum(float (&v)[M], float (&mine)[M], int ranks) {
-  if constexpr (kCluster) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    static_assert(kMaxCluster <= 8, "the butterfly below spans 8 lanes");
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int i = 0; i < M; ++i) mine[i] = v[i];
-    }
-    __cluster_barrier_arrive();
-    __cluster_barrier_wait();
-    const int lane = threadIdx.x & 31;
-    const float* theirs = cooperative_groups::this_cluster().map_shared_rank(&mine[0], lane & 7);
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-      float t = lane < ranks ? theirs[i] : 0.f;
-#pragma unroll
-      for (int o = 1; o < 8; o <<= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-      v[i] = __shfl_sync(0xffffffffu, t, 0);
-    }
-#endif
-  }
+
+// 16 bytes global -> shared without registers; complete (for this thread) after staged_wait.
+__device__ __forceinline__ void stage_16_bytes(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(smem))),
+               "l"(gmem)
+               : "memory");
 }
 
-// With kCluster, keeps the block's shared memory alive until every CTA of the cluster is done
-// reading it.
-template <bool kCluster>
-__device__ __forceinline__ void cluster_done() {
-  if constexpr (kCluster) {
+__device__ __forceinline__ void staged_wait() {
+  asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+}
+
+template <Dtype D>
+__device__ __forceinline__ void stage_slice(char* to, const TensorRef& t, int64_t r,
+                                            int64_t col) {
+  constexpr int kBytes = D == Dtype::F32 ? 4 : 2;
+  const char* from = static_cast<const char*>(t.data) + (r * t.stride[0] + col) * kBytes;
+  stage_16_bytes(to, from);
+  if (D == Dtype::F32) stage_16_bytes(to + 16, from + 16);
+}
+
+
+// The cluster's sums of M floats a CTA, pushed instead of pulled: every CTA stores its totals
+// into row `rank` of every CTA's inbox (st.async, which counts its bytes on the receiver's
+// mbarrier) and waits on its own mbarrier until all have landed, then adds the inbox in rank
+// order, so every thread of every CTA gets the same bits. No CTA waits for the slowest to reach
+// a barrier, and none needs the others resident after its last wait (they store only into CTAs
+// still waiting for them), so a kernel ends without a cluster barrier. A kernel that sums more
+// than once a launch uses two inboxes in turn: sum n goes to inbox n % 2 at mbarrier phase
+// parity (n / 2) % 2. A CTA cannot store sum n + 2 into a peer still reading sum n: it first
+// needs the peer's sum n + 1, which the peer pushes only after segment_sum's block barrier, and
+// every read of sum n precedes that barrier (the segments of clustered kernels span warps).
+// The staged forward ran at 79% of copy at 65536 columns pulling its sum from its peers, with a
+// cluster barrier around the reads, and at 83% pushing it.
+template <int M>
+struct ClusterInbox {
+  float value[kMaxCluster][M];
+  alignas(8) unsigned long long landed;
+};
+
+// Thread 0 readies `boxes` before any peer may store into them: call first thing, then
+// cluster_inbox_ready before the first cluster_push_sum (loads can be issued in between).
+template <int M, int N>
+__device__ __forceinline__ void cluster_inbox_init(ClusterInbox<M> (&boxes)[N]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    __cluster_barrier_arrive();
-    __cluster_barrier_wait();
-#endif
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&boxes[i].landed));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  __cluster_barrier_arrive_relaxed();
+#endif
+}
+
+__device__ __forceinline__ void cluster_inbox_ready() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __cluster_barrier_wait();
+#endif
+}
+
+// Replaces v (the same in every thread of the block) with the cluster's sums. Called by every
+// thread of the block.
+template <int M>
+__device__ __forceinline__ void cluster_push_sum(float (&v)[M], ClusterInbox<M>& box, int ranks,
+                                                 int rank, int parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(kMaxCluster <= 8, "the butterfly below spans 8 lanes");
+  const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&box.landed));
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                 "r"(unsigned(ranks * M * sizeof(float)))
+                 : "memory");
+  }
+  if (int(threadIdx.x) < ranks) {
+    unsigned remote_bar;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar),
+                 "r"(threadIdx.x));
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      const unsigned slot =
+          static_cast<unsigned>(__cvta_generic_to_shared(&box.value[rank][i]));
+      unsigned remote_slot;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_slot) : "r"(slot),
+                   "r"(threadIdx.x));
+      asm volatile(
+          "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+              remote_slot),
+          "r"(__float_as_uint(v[i])), "r"(remote_bar)
+          : "memory");
+    }
+  }
+  unsigned done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    float t = lane < ranks ? box.value[lane & 7][i] : 0.f;
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    v[i] = __shfl_sync(0xffffffffu, t, 0);
+  }
+#endif
 }
 
 }  // namespace norm_detail
@@ -256,7 +330,8 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
   // of staying in registers for the whole walk: their extra terms would otherwise spill.
   constexpr bool kReloadWeight = kFull || kGate != kNoGate;
   __shared__ float red[2][kNormMaxThreads / 32 * M];
-  __shared__ float totals[2][M];
+  __shared__ ClusterInbox<M> inbox[kCluster ? 2 : 1];
+  if (kCluster) cluster_inbox_init(inbox);
   const Place at(a, p, kCluster);
   const int T = p.threads;
   const int64_t step = row_step(a, p, at, kCluster);
@@ -298,9 +373,10 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
 
   int64_t r = at.row_block * at.slots + at.slot;
   fetch(r);
-  int phase = 0;
+  if (kCluster) cluster_inbox_ready();
+  int phase = 0, sums = 0;
   // Every thread of the block (of the cluster) runs the same number of iterations: segment_sum
-  // and cluster_sum synchronise.
+  // and cluster_push_sum synchronise.
   for (int64_t base = at.row_block * at.slots; base < a.rows; base += step, r += step) {
     Slice xhat[K], dye[K], wdy[K], gate[K];
 #pragma unroll
@@ -363,7 +439,10 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
     }
     if (kFull) fetch_dres();
     segment_sum(acc, T, red[phase], true);
-    cluster_sum<kCluster>(acc, totals[phase], p.cluster);
+    if constexpr (kCluster)
+      cluster_push_sum(acc, inbox[sums & 1], p.cluster, int(blockIdx.x % p.cluster),
+                       (sums >> 1) & 1);
+    ++sums;
     phase ^= 1;
     if (!row_ok) continue;
     const float c1 = acc[0] * inv_len;
@@ -401,7 +480,6 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
     }
   }
   if (p.partial != nullptr) write_partial_sums(a, p, at, dw, db, kFull);
-  cluster_done<kCluster>();
 }
 
 // Launches `kernel` on p.row_blocks * ngroups blocks, or clusters of p.cluster blocks, with

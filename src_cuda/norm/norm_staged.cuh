@@ -1,121 +1,21 @@
-// The staged forward: the lean forward's calls (norm_fast.cuh) for long segments and gates,
+// The staged forward: the lean forward's calls (norm_fast.cuh) for segments past 1024 columns,
 // with each CTA's share of its rows copied global -> shared memory by cp.async (sm_80 and later)
-// instead of through registers. The register kernels keep a row a thread in flight at most (the
-// next one, loaded while this one is reduced), and long segments or a gate leave them few
-// threads an SM: the gated forward used 125 registers, one 512-thread CTA an SM, and ran at 63%
-// of copy; the clusters past 8192 columns at 61-74%. Here a CTA issues every load of its share
-// at once, holds none of it in registers, and several CTAs an SM are at different steps, so the
-// memory system always has loads to serve. Each CTA takes one row block (not persistent: a new
-// CTA starts loading the moment one ends); its threads read the staged slices back three times
-// (statistics, LayerNorm's second moment, output), which shared memory serves at a small part
-// of its bandwidth. Included only by the instantiation files.
+// instead of through registers. The register kernels keep at most one row a thread in flight
+// (the next, loaded while this one is reduced) and use 116-128 registers at these lengths: one
+// or two CTAs an SM, and the clusters past 8192 columns ran at 61-75% of copy. Here a CTA issues
+// every load of its share at once, holds none of it in registers (40-49 of them, three CTAs an
+// SM), and the CTAs of an SM are at different steps, so the memory system always has loads to
+// serve: 94-96% of copy from 4096 to 16384 columns (one H200, bf16, benchmarks/NOTES.md). Each
+// CTA takes one row block (not persistent: a new CTA starts loading the moment one ends); its
+// threads read the staged slices back for the statistics, LayerNorm's second moment and the
+// output, which shared memory serves at a small part of its bandwidth. Included only by the
+// instantiation files.
 #pragma once
 
 #include "norm_fast.cuh"
 
 namespace ssm {
 
-namespace norm_detail {
-
-// 16 bytes global -> shared without registers; complete (for this thread) after staged_wait.
-__device__ __forceinline__ void stage_16_bytes(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(smem))),
-               "l"(gmem)
-               : "memory");
-}
-
-__device__ __forceinline__ void staged_wait() {
-  asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
-}
-
-// The cluster's sum of one float a CTA, pushed instead of pulled: every CTA stores its total
-// into slot `rank` of every CTA's inbox (st.async, which counts its bytes on the receiver's
-// mbarrier) and waits on its own mbarrier until all have landed, then adds the inbox in rank
-// order, so every thread of every CTA gets the same bits. Nothing waits for the slowest CTA to
-// arrive at a barrier, and no CTA needs the others to stay resident after its wait (they write
-// only into CTAs still waiting for them), so the kernel ends without a cluster barrier. Each
-// (inbox, mbarrier) pair serves one sum a launch. Called by every thread of the block, after
-// cluster_inbox_ready.
-struct ClusterInbox {
-  float value[kMaxCluster];
-  alignas(8) unsigned long long landed;
-};
-
-// Thread 0 readies `boxes` before any peer may store into them: call first thing, then
-// cluster_inbox_ready before the first cluster_push_sum (the loads can go in between).
-template <int N>
-__device__ __forceinline__ void cluster_inbox_init(ClusterInbox (&boxes)[N]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&boxes[i].landed));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __cluster_barrier_arrive_relaxed();
-#endif
-}
-
-__device__ __forceinline__ void cluster_inbox_ready() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __cluster_barrier_wait();
-#endif
-}
-
-__device__ __forceinline__ float cluster_push_sum(float v, ClusterInbox& box, int ranks,
-                                                  int rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&box.landed));
-  if (threadIdx.x == 0) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                 "r"(unsigned(ranks * sizeof(float)))
-                 : "memory");
-  }
-  if (int(threadIdx.x) < ranks) {
-    const unsigned slot = static_cast<unsigned>(__cvta_generic_to_shared(&box.value[rank]));
-    unsigned remote_slot, remote_bar;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_slot) : "r"(slot),
-                 "r"(threadIdx.x));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar),
-                 "r"(threadIdx.x));
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
-                     remote_slot),
-                 "r"(__float_as_uint(v)), "r"(remote_bar)
-                 : "memory");
-  }
-  unsigned done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(bar)
-        : "memory");
-  }
-  const int lane = threadIdx.x & 31;
-  float t = lane < ranks ? box.value[lane & 7] : 0.f;
-#pragma unroll
-  for (int o = 1; o < 8; o <<= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-  return __shfl_sync(0xffffffffu, t, 0);
-#else
-  return v;
-#endif
-}
-
-template <Dtype D>
-__device__ __forceinline__ void stage_slice(char* to, const TensorRef& t, int64_t r,
-                                            int64_t col) {
-  constexpr int kBytes = D == Dtype::F32 ? 4 : 2;
-  const char* from = static_cast<const char*>(t.data) + (r * t.stride[0] + col) * kBytes;
-  stage_16_bytes(to, from);
-  if (D == Dtype::F32) stage_16_bytes(to + 16, from + 16);
-}
-
-}  // namespace norm_detail
 
 // kDt, kRt, kGate as for norm_fwd_fast_kernel. The stage (dynamic shared memory) holds, for
 // each of the block's slots, p.cta_slices slices of x, then of residual, then of z. With the
@@ -131,7 +31,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_staged_kernel(const 
   constexpr int K = kStagedSlices;
   extern __shared__ __align__(16) char stage[];
   __shared__ float red[2][kNormMaxThreads / 32];
-  __shared__ ClusterInbox inbox[kCluster ? 2 : 1];
+  __shared__ ClusterInbox<1> inbox[kCluster ? 2 : 1];  // one a reduction
   if (kCluster) cluster_inbox_init(inbox);
   const Place at(a, p, kCluster);
   const int T = p.threads;
@@ -163,10 +63,8 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_staged_kernel(const 
   auto row_sum = [&](float v, int i) {
     float t[1] = {v};
     segment_sum(t, T, red[i], true);
-    if constexpr (kCluster)
-      return cluster_push_sum(t[0], inbox[i], p.cluster, int(blockIdx.x % p.cluster));
-    else
-      return t[0];
+    if constexpr (kCluster) cluster_push_sum(t, inbox[i], p.cluster, int(blockIdx.x % p.cluster), 0);
+    return t[0];
   };
 
   // s = x + residual of slice k, from the stage.
