@@ -66,11 +66,11 @@ constexpr int kFastBwdSlices = 2;
 template <int kDt, int kRt, bool kCluster>
 cudaError_t launch_norm_bwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 // The lean backward's clusters: up to 8 CTAs (the portable cluster size), 2 slices a thread, of
-// 256 threads while 8 of those hold the segment (32768 16-bit columns), of 512 beyond. One H200,
-// bf16 (TB/s backward): 256 threads beat 512 at 16384 and 32768 columns (1.71 against 1.63 at
-// 16384), but not below: at 8192 one 512-thread CTA without a cluster (2.51) beats two clustered
-// ones (1.84), whose barriers cost more than they save. The staged forward's clusters are up to
-// kMaxCluster CTAs too (norm_cuda.cu sizes them).
+// 256 threads while 8 of those hold the segment (32768 16-bit columns), of 512 beyond. Chosen on
+// one H200, bf16, when the CTAs of a cluster still met at a barrier each row (TB/s backward):
+// 256 threads beat 512 at 16384 and 32768 columns (1.71 against 1.63 at 16384), but not below:
+// at 8192 one 512-thread CTA without a cluster (2.51) beat two clustered ones (1.84). The staged
+// forward's clusters are up to kMaxCluster CTAs too (norm_cuda.cu sizes them).
 constexpr int kMaxCluster = 8;
 constexpr int kClusterThreads = 256;
 
