@@ -58,29 +58,6 @@ __device__ __forceinline__ void column_scale(const NormArgs& a, const bool (&val
   for (int k = 0; k < K; ++k) slice_scale(a, valid[k], col[k], w[k]);
 }
 
-
-// 16 bytes global -> shared without registers; complete (for this thread) after staged_wait.
-__device__ __forceinline__ void stage_16_bytes(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(smem))),
-               "l"(gmem)
-               : "memory");
-}
-
-__device__ __forceinline__ void staged_wait() {
-  asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
-}
-
-template <Dtype D>
-__device__ __forceinline__ void stage_slice(char* to, const TensorRef& t, int64_t r,
-                                            int64_t col) {
-  constexpr int kBytes = D == Dtype::F32 ? 4 : 2;
-  const char* from = static_cast<const char*>(t.data) + (r * t.stride[0] + col) * kBytes;
-  stage_16_bytes(to, from);
-  if (D == Dtype::F32) stage_16_bytes(to + 16, from + 16);
-}
-
-
 // The cluster's sums of M floats a CTA, pushed instead of pulled: every CTA stores its totals
 // into row `rank` of every CTA's inbox (st.async, which counts its bytes on the receiver's
 // mbarrier) and waits on its own mbarrier until all have landed, then adds the inbox in rank
