@@ -1,7 +1,7 @@
 // Device helpers the conv1d kernels share: eight-element slices of a row (or a few channels)
 // moved as raw bits (one 16-byte access for a slice of a 16-bit dtype, two for float32, when the
-// row allows it), their conversion to and from float32, the taps of one output and of one input
-// gradient with the packed-sequence masks, and silu. Everything that depends on the run-time
+// row allows it), their conversion to and from float32, and the taps of one output and of one input
+// gradient with the packed-sequence masks. Everything that depends on the run-time
 // width W is written as loops over the compile-time kTaps >= W with W's taps at the top
 // (k >= kTaps - W), so every array index is a constant after unrolling and the arrays stay in
 // registers.
@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "../common/device_dtype.cuh"
+#include "../common/device_math.cuh"
 #include "conv1d_args.h"
 #include "conv1d_plan.h"
 
@@ -178,31 +179,6 @@ __device__ __forceinline__ void narrow(const float (&v)[kN], Raw<kDt, kN>& r) {
 template <int kDt>
 __device__ __forceinline__ float load_x(const void* p, int64_t i) {
   return load_as_float(p, i, Dtype(kDt));
-}
-
-// 2^x and 1/x on the special-function unit, flushing subnormals: the non-flushing forms (what
-// __expf and __fdividef compile to without -ftz) add a test and two scalings each, and the
-// kernels are issue-bound. Here they only flush results below 2^-126, where 1 + 2^x is 1 anyway.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float rcp_ftz(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// The fast reciprocal (2 ulp) instead of an IEEE division, which costs a dozen instructions an
-// element; for z far below 0 the denominator overflows and both give 0.
-__device__ __forceinline__ float sigmoid(float z) {
-  return rcp_ftz(1.f + exp2_ftz(-1.44269504f * z));
-}
-__device__ __forceinline__ float silu(float z) { return z * sigmoid(z); }
-__device__ __forceinline__ float dsilu(float z) {
-  const float s = sigmoid(z);
-  return s * (1.f + z * (1.f - s));
 }
 
 // weight[c, :] as kTaps taps, W's taps at the top and zeros below.

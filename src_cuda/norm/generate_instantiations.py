@@ -14,7 +14,7 @@ CLUSTERED = (False, True)
 # (file stem, what it holds, the launcher's declaration, its header) of those two.
 CLUSTERED_LAUNCHERS = (
     ("norm_fwd_staged", "the staged fused-norm forward",
-     "launch_norm_fwd_staged<%d, %d, %s>(const NormArgs&, const NormPlan&, cudaStream_t)",
+     "launch_norm_fwd_staged<%d, %d, %s>(const NormArgs&, NormPlan&, int, cudaStream_t)",
      "norm_staged.cuh"),
     ("norm_bwd_fast", "the lean fused-norm backward",
      "launch_norm_bwd_fast<%d, %d, %s>(const NormArgs&, NormPlan&, int, cudaStream_t)",

@@ -294,9 +294,15 @@ bool staged_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
     while (cluster <= kMaxCluster && !fits(cluster, kClusterStageBudget)) ++cluster;
   }
   if (cluster > kMaxCluster || (cluster > 1 && !cluster_kernels_run(device))) return false;
-  p = shape_plan(a, kStagedSlices, cluster);
-  // A cluster exchanges one sum a CTA (cluster_push_sum): one segment a block there.
-  p.block = cluster > 1 ? p.threads : std::max(p.threads, 256);
+  // Without a cluster or a gate, two slices a thread and one segment a block: one H200, % of
+  // copy against four slices a thread in blocks of at least 256 threads: 95 / 88 (RMSNorm, bf16
+  // with a bf16 residual, 2048 columns), 91 / 85 and 93 / 90 (LayerNorm, bf16 with a float32
+  // residual stream, 2048 and 8192 columns), the same at 4096 and 16384. With a gate that lost
+  // (78 / 93 at 4096 columns), and so did more threads in the clusters (79 / 84 at 32768).
+  const bool spread = cluster == 1 && !a.z.present();
+  p = shape_plan(a, spread ? 2 : kStagedSlices, cluster);
+  // A cluster exchanges one sum a CTA (cluster_push_sum): one segment a block there too.
+  p.block = cluster > 1 || spread ? p.threads : std::max(p.threads, 256);
   p.vec = true;
   p.row_blocks = ceil_div(a.rows, p.block / p.threads);
   return p.row_blocks * a.ngroups * cluster <= INT_MAX;
@@ -323,10 +329,11 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
                        "norm_fwd launch");
   }
   if (lean.ok && staged_plan(a, lean, device, p)) {
+    const int sms = std::max(1, multiprocessor_count(device));
     const cudaError_t err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
       constexpr int D = decltype(dt)::value, R = decltype(rt)::value;
-      return p.cluster > 1 ? launch_norm_fwd_staged<D, R, true>(a, p, s)
-                           : launch_norm_fwd_staged<D, R, false>(a, p, s);
+      return p.cluster > 1 ? launch_norm_fwd_staged<D, R, true>(a, p, sms, s)
+                           : launch_norm_fwd_staged<D, R, false>(a, p, sms, s);
     });
     // Otherwise not one cluster fits on this device: the general kernels below.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");

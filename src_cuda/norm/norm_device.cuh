@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "../common/device_math.cuh"
 #include "norm_plan.h"
 #include "norm_vec.cuh"
 
@@ -206,13 +207,6 @@ __device__ __forceinline__ void load_scale(const NormArgs& a, const Slices<N>& s
   }
 }
 
-__device__ __forceinline__ float silu(float z) { return z * sigmoid(z); }
-
-__device__ __forceinline__ float silu_grad(float z) {
-  const float sg = sigmoid(z);
-  return sg * (1.f + z * (1.f - sg));
-}
-
 // The normalised input g (formula in libssm/norm.h) into g; t is scratch. The forward's first
 // visit passes write_residual so residual_out gets s exactly once.
 template <int kDt, int N>
@@ -349,7 +343,7 @@ __device__ __forceinline__ void store_grads(const NormArgs& a, const Slices<N>& 
 #pragma unroll
       for (int k = 0; k < N; ++k)
 #pragma unroll
-        for (int e = 0; e < kSlice; ++e) xhat[k][e] *= silu_grad(t[k][e]);
+        for (int e = 0; e < kSlice; ++e) xhat[k][e] *= dsilu(t[k][e]);
     } else {
       // g = s * silu(z): ds = dg * silu(z), dz = dg * s * silu'(z).
       load_rows<kDt>(a.x, s, xhat);
@@ -358,7 +352,7 @@ __device__ __forceinline__ void store_grads(const NormArgs& a, const Slices<N>& 
       for (int k = 0; k < N; ++k)
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) {
-          xhat[k][e] *= wdy[k][e] * silu_grad(t[k][e]);
+          xhat[k][e] *= wdy[k][e] * dsilu(t[k][e]);
           wdy[k][e] *= silu(t[k][e]);
         }
     }

@@ -459,21 +459,31 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
   if (p.partial != nullptr) write_partial_sums(a, p, at, dw, db, kFull);
 }
 
-// Launches `kernel` on p.row_blocks * ngroups blocks, or clusters of p.cluster blocks, with
-// p.row_blocks lowered first so that all of them run at once (the kernels walk down the rows
-// persistently).
+// Launches `kernel` on p.row_blocks * ngroups blocks, or clusters of p.cluster blocks with
+// kCluster, each with `smem` bytes of dynamic shared memory. With `persistent` (kernels that walk
+// down the rows) p.row_blocks is first lowered so that all of them run at once. With kCluster it
+// returns cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the
+// device.
 template <bool kCluster>
-cudaError_t launch_persistent(void (*kernel)(NormArgs, NormPlan), const NormArgs& a, NormPlan& p,
-                              int sms, cudaStream_t stream) {
+cudaError_t launch_rows(void (*kernel)(NormArgs, NormPlan), const NormArgs& a, NormPlan& p,
+                        int sms, cudaStream_t stream, size_t smem = 0, bool persistent = true) {
+  cudaError_t err = cudaSuccess;
+  // The opt-in for dynamic shared memory, before the occupancy queries that count it. Needed
+  // only where static and dynamic together pass 48 KB, but asking for the static size would
+  // cost a call too.
+  if (smem > 0) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+  }
   cudaLaunchConfig_t config = {};
   config.blockDim = dim3(unsigned(p.block));
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute cluster;
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = unsigned(p.cluster);
   cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
   int fit = 0;
-  cudaError_t err = cudaSuccess;
   if constexpr (kCluster) {
     config.attrs = &cluster;
     config.numAttrs = 1;
@@ -483,12 +493,13 @@ cudaError_t launch_persistent(void (*kernel)(NormArgs, NormPlan), const NormArgs
       cudaGetLastError();
       return cudaErrorInvalidClusterSize;
     }
-  } else {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, p.block, 0);
+  } else if (persistent) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, p.block, smem);
     if (err != cudaSuccess) return err;
     fit *= sms;
   }
-  p.row_blocks = std::min<int64_t>(p.row_blocks, std::max<int64_t>(fit / a.ngroups, 1));
+  if (persistent)
+    p.row_blocks = std::min<int64_t>(p.row_blocks, std::max<int64_t>(fit / a.ngroups, 1));
   config.gridDim = dim3(unsigned(p.row_blocks * a.ngroups * p.cluster));
   return cudaLaunchKernelEx(&config, kernel, a, p);
 }
@@ -497,9 +508,9 @@ template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
   if constexpr (kDt == kRt) {
     if (a.z.present())
-      return launch_persistent<false>(norm_fwd_fast_kernel<kDt, kRt, true>, a, p, sms, stream);
+      return launch_rows<false>(norm_fwd_fast_kernel<kDt, kRt, true>, a, p, sms, stream);
   }
-  return launch_persistent<false>(norm_fwd_fast_kernel<kDt, kRt, false>, a, p, sms, stream);
+  return launch_rows<false>(norm_fwd_fast_kernel<kDt, kRt, false>, a, p, sms, stream);
 }
 
 template <int kDt, int kRt, bool kCluster>
@@ -516,7 +527,7 @@ cudaError_t launch_norm_bwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaSt
                     : norm_bwd_fast_kernel<kDt, kRt, false, kGateFirst, kCluster>;
   }
   if constexpr (kCluster) {
-    return launch_persistent<true>(kernel, a, p, sms, stream);
+    return launch_rows<true>(kernel, a, p, sms, stream);
   } else {
     kernel<<<unsigned(p.row_blocks * a.ngroups), p.block, 0, stream>>>(a, p);
     return cudaGetLastError();

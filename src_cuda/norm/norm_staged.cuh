@@ -195,35 +195,14 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_staged_kernel(const 
 }
 
 template <int kDt, int kRt, bool kCluster>
-cudaError_t launch_norm_fwd_staged(const NormArgs& a, const NormPlan& p, cudaStream_t stream) {
+cudaError_t launch_norm_fwd_staged(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
   auto kernel = norm_fwd_staged_kernel<kDt, kRt, false, kCluster>;
   if constexpr (kDt == kRt) {
     if (a.z.present()) kernel = norm_fwd_staged_kernel<kDt, kRt, true, kCluster>;
   }
-  const size_t smem = staged_fwd_bytes(a, p, Dtype(kDt), Dtype(kRt));
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (err != cudaSuccess) return err;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(p.row_blocks * a.ngroups * p.cluster));
-  config.blockDim = dim3(unsigned(p.block));
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute cluster;
-  if constexpr (kCluster) {
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = unsigned(p.cluster);
-    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    int fit = 0;
-    err = cudaOccupancyMaxActiveClusters(&fit, kernel, &config);
-    if (err != cudaSuccess || fit == 0) {
-      cudaGetLastError();
-      return cudaErrorInvalidClusterSize;
-    }
-  }
-  return cudaLaunchKernelEx(&config, kernel, a, p);
+  // One block (cluster) a row block: a new one starts copying the moment one ends.
+  return launch_rows<kCluster>(kernel, a, p, sms, stream,
+                               staged_fwd_bytes(a, p, Dtype(kDt), Dtype(kRt)), false);
 }
 
 }  // namespace ssm

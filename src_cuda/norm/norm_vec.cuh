@@ -91,8 +91,4 @@ __device__ __forceinline__ void store_slice(void* p, Dtype d, int64_t i, int n, 
     if (k < n) store_from_float(p, i + k, d, v[k]);
 }
 
-// The fast reciprocal: an IEEE division here cost the gated kernels ~8 instructions an
-// element; 1 / inf is still 0, so a very negative z gives 0.
-__device__ __forceinline__ float sigmoid(float z) { return __fdividef(1.f, 1.f + __expf(-z)); }
-
 }  // namespace ssm

@@ -162,7 +162,7 @@ __device__ __forceinline__ void scan_bwd_block(const ScanArgs& a, const ScanGrid
         }
 #pragma unroll
         for (int j = 0; j < kNS; ++j)
-          hs[s + 1][j] = fmaf(exp2_approx(dt * k.A2[j]), hs[s][j], dtu * bv[j]);
+          hs[s + 1][j] = fmaf(exp2_ftz(dt * k.A2[j]), hs[s][j], dtu * bv[j]);
       }
 
 #pragma unroll
@@ -190,7 +190,7 @@ __device__ __forceinline__ void scan_bwd_block(const ScanArgs& a, const ScanGrid
         float v[kV];
 #pragma unroll
         for (int j = 0; j < kNS; ++j) {
-          const float da = exp2_approx(dt * k.A2[j]);
+          const float da = exp2_ftz(dt * k.A2[j]);
           const float h = hs[s + 1][j];
           const float m = fmaf(cv[j], dy, mu[j]);  // dL/dh_t
           const float w = m * (hs[s][j] * da);

@@ -7,29 +7,16 @@
 #include <cuda_runtime.h>
 
 #include "../common/device_dtype.cuh"
+#include "../common/device_math.cuh"
 #include "scan_traits.cuh"
 
 namespace ssm {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// 2^x on the special function unit alone. exp2f adds range fix-ups for results below 2^-126;
-// flushing those to zero only drops state contributions that are already below float32's
-// normal range.
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 __device__ __forceinline__ float softplus(float x) {
   return x <= 20.f ? log1pf(expf(x)) : x;
 }
-
-// The gate runs once per (channel, step) in both kernels; the special-function-unit forms cost
-// ~4 instructions where expf and an IEEE division cost ~25, for a few ulp (far inside the
-// tests' float32 bound). A huge -x gives 1 / inf = 0, the limit.
-__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 
 template <typename Tr>
 struct BlockPlace {

@@ -99,7 +99,7 @@ __device__ __forceinline__ void scan_fwd_batch(const ScanArgs& a, const ScanGrid
       float y = 0.f;
 #pragma unroll
       for (int j = 0; j < Tr::kNS; ++j) {
-        h[j] = fmaf(exp2_approx(dd.x * k.A2[j]), h[j], dd.y * bv[j]);
+        h[j] = fmaf(exp2_ftz(dd.x * k.A2[j]), h[j], dd.y * bv[j]);
         if (!kReplay) y = fmaf(cv[j], h[j], y);
       }
       if (!kReplay) sy[s * kYPitch + threadIdx.x] = y;

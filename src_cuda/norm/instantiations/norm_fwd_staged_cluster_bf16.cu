@@ -2,5 +2,5 @@
 #include "../norm_staged.cuh"
 
 namespace ssm {
-template cudaError_t launch_norm_fwd_staged<2, 2, true>(const NormArgs&, const NormPlan&, cudaStream_t);
+template cudaError_t launch_norm_fwd_staged<2, 2, true>(const NormArgs&, NormPlan&, int, cudaStream_t);
 }  // namespace ssm
