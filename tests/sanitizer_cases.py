@@ -57,7 +57,7 @@ def run_scan_cases():
 
 # rows, hidden, group_size, kind, x dtype, weight dtype, z, norm_before_gate, pad, residual dtype.
 # Aligned rows of one dtype, or 16-bit x beside a float32 residual stream without a gate, take
-# the lean kernels: the forward one slice a thread up to 1024 columns, staged beyond, on
+# the lean kernels: the forward one slice a thread up to 256 columns, staged beyond, on
 # clusters once a CTA's stage would pass 110 KB (24584 half: 4 CTAs, 65536 bf16: 8); the
 # backward on clusters past 8192 16-bit columns. Padded rows and other mixes take the general
 # kernels.
@@ -79,6 +79,10 @@ NORM_CASES = [
     (37, 24584, 0, "layer", torch.float16, torch.float16, False, True, 0, torch.float16),
     (300, 40000, 0, "rms", torch.float32, torch.float32, False, True, 0, torch.float32),
     (3, 65536, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, torch.bfloat16),
+    # The staged forward without a gate at a few hundred columns (65 slices: 64-thread CTAs, one
+    # segment each) and with a gate on groups of 33 slices (16 threads a segment).
+    (33, 520, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
+    (9, 2112, 264, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.bfloat16),
     # The staged forward with a gate: one CTA a segment, a cluster of 8, one of 7 (float32).
     (5, 4104, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.bfloat16),
     (3, 40000, 0, "layer", torch.bfloat16, torch.float32, True, True, 0, torch.bfloat16),

@@ -49,16 +49,18 @@ cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 // The lean kernels (norm_fast.cuh). kDt: the dtype of x, y, z, dy and dx; kRt: that of the
 // residual stream (residual and residual_out forward; x, dresidual_out and dresidual backward),
 // kDt too or float32 beside 16-bit kDt. Both take a gate where kDt == kRt. The forward keeps
-// one slice a thread, for segments of up to kFastFwdSlices slices (one H200, bf16 with a bf16
-// residual, % of copy against the staged forward: 72 / 64 at 256 columns, 82 / 76 at 512,
-// 85 / 87 at 1024); its launcher lowers p.row_blocks to the blocks that run at once. The
+// one slice a thread, for segments of up to kFastFwdSlices slices. One H200, % of copy against
+// the staged forward: 72 / 64 at 256 columns (bf16 with a bf16 residual, when the staged one
+// took four slices a thread); with its present plan 81 / 82 at 512, 85 / 90 at 1024, 81 / 85
+// for LayerNorm with a float32 stream at 1024, 86 / 93 for gated groups of 1024 (8192 columns).
+// Its launcher lowers p.row_blocks to the blocks that run at once. The
 // backward with kCluster shares a segment among the p.cluster CTAs of a thread-block cluster
 // (sm_90 and later), p.cta_slices slices each, that add their partial sums through distributed
 // shared memory; without it one CTA holds a segment. Its launcher lowers p.row_blocks to the
 // clusters that run at once with kCluster (without, the fused plan has sized it): the partial
 // sums have p.row_blocks rows. With kCluster it returns cudaErrorInvalidClusterSize, launching
 // nothing, when not one cluster of p.cluster CTAs fits on the device.
-constexpr int kFastFwdSlices = 128;
+constexpr int kFastFwdSlices = 32;
 template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 // The lean backward keeps kFastBwdSlices slices a thread, like the fused general one.

@@ -1,4 +1,4 @@
-// The staged forward: the lean forward's calls (norm_fast.cuh) for segments past 1024 columns,
+// The staged forward: the lean forward's calls (norm_fast.cuh) for segments past 256 columns,
 // with each CTA's share of its rows copied global -> shared memory by cp.async (sm_80 and later)
 // instead of through registers. The register kernels keep at most one row a thread in flight
 // (the next, loaded while this one is reduced) and use 116-128 registers at these lengths: one
