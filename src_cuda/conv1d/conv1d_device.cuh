@@ -1,8 +1,8 @@
 // Device helpers the conv1d kernels share: eight-element slices of a row (or a few channels)
 // moved as raw bits (one 16-byte access for a slice of a 16-bit dtype, two for float32, when the
-// row allows it), their conversion to and from float32, and the taps of one output and of one input
-// gradient with the packed-sequence masks. Everything that depends on the run-time
-// width W is written as loops over the compile-time kTaps >= W with W's taps at the top
+// row allows it), their conversion to and from float32, and the taps of one output and of one
+// input gradient with the packed-sequence masks. Everything that depends on the run-time width W
+// is written as loops over the compile-time kTaps >= W with W's taps at the top
 // (k >= kTaps - W), so every array index is a constant after unrolling and the arrays stay in
 // registers.
 #pragma once

@@ -1,5 +1,6 @@
 // The fused-norm row kernels and their launchers; included only by the instantiation files
-// (instantiations/*.cu), one (K, kDt, kTail) per file. The segment layout is described in norm_plan.h.
+// (instantiations/*.cu), one (K, kDt, kTail) per file. The segment layout is described in
+// norm_plan.h.
 #pragma once
 
 #include "norm_device.cuh"

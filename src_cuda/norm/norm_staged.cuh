@@ -87,7 +87,8 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_staged_kernel(const 
   auto row_sum = [&](float v, int i) {
     float t[1] = {v};
     segment_sum(t, T, red[i], true);
-    if constexpr (kCluster) cluster_push_sum(t, inbox[i], p.cluster, int(blockIdx.x % p.cluster), 0);
+    if constexpr (kCluster)
+      cluster_push_sum(t, inbox[i], p.cluster, int(blockIdx.x % p.cluster), 0);
     return t[0];
   };
 
