@@ -308,6 +308,14 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
   constexpr bool kReloadWeight = kFull || kGate != kNoGate;
   __shared__ float red[2][kNormMaxThreads / 32 * M];
   __shared__ ClusterInbox<M> inbox[kCluster ? 2 : 1];
+  // kGateFirst: silu(z) and s silu'(z) of each of the thread's elements, made before the row's
+  // reduction for the terms after it (dynamic, bwd_gate_stash_bytes). Recomputing them there
+  // read s and z again and took a second sigmoid: 989 instructions a thread and row (16
+  // elements); keeping them in registers spilled.
+  extern __shared__ float4 gate_stash[];
+  auto stash = [&](int k, int term, int half) -> float4& {
+    return gate_stash[((k * 2 + term) * 2 + half) * blockDim.x + threadIdx.x];
+  };
   if (kCluster) cluster_inbox_init(inbox);
   const Place at(a, p, kCluster);
   const int T = p.threads;
@@ -392,10 +400,25 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
           for (int e = 0; e < kSlice; ++e) bias[e] = 0.f;
         }
       }
+      if (kGate == kGateFirst) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float silu_z[4], ds_dg[4];  // ds = dg silu(z), dz = dg s silu'(z)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float z = gate[k][4 * h + e], sg = sigmoid(z), s_ = xhat[k][4 * h + e];
+            silu_z[e] = z * sg;
+            // silu'(z) = sg (1 + z (1 - sg)) = sg + silu(z) - silu(z) sg
+            ds_dg[e] = s_ * fmaf(-silu_z[e], sg, sg + silu_z[e]);
+            xhat[k][4 * h + e] = s_ * silu_z[e];
+          }
+          stash(k, 0, h) = make_float4(silu_z[0], silu_z[1], silu_z[2], silu_z[3]);
+          stash(k, 1, h) = make_float4(ds_dg[0], ds_dg[1], ds_dg[2], ds_dg[3]);
+        }
+      }
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
-        const float z = gate[k][e], sg = kGate != kNoGate ? sigmoid(z) : 0.f;
-        if (kGate == kGateFirst) xhat[k][e] *= z * sg;
+        const float z = gate[k][e], sg = kGate == kGateAfter ? sigmoid(z) : 0.f;
         // (x - mean) rstd, not x rstd - mean rstd: a constant row must give xhat 0 exactly.
         xhat[k][e] = kFull ? (xhat[k][e] - mean) * rstd : xhat[k][e] * rstd;
         if (kGate == kGateAfter) {
@@ -428,22 +451,15 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
     for (int k = 0; k < K; ++k) {
       if (!valid[k]) continue;
       if (dres_in) widen_slice(R, true, wdy[k]);
-      // With kGateFirst: s and z read again (L1/L2) for ds = dg silu(z), dz = dg s silu'(z);
-      // keeping them, or silu(z), from before the reduction spilled.
-      Slice x, z;
-      if (kGate == kGateFirst) {
-        fetch_slice(a.x.data, R, r * a.x.stride[0] + col[k], kSlice, true, x);
-        fetch_slice(a.z.data, D, r * a.z.stride[0] + col[k], kSlice, true, z);
-        widen_slice(R, true, x);
-        widen_slice(D, true, z);
-      }
+      Slice z;  // kGateFirst: dz
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
         float ds = rstd * (dye[k][e] - fmaf(xhat[k][e], c1, c2));  // dg
         if (kGate == kGateFirst) {
-          const float sg = sigmoid(z[e]), dg = ds;
-          ds *= z[e] * sg;
-          z[e] = dg * x[e] * sg * (1.f + z[e] * (1.f - sg));
+          const float4 q = stash(k, 0, e / 4), t = stash(k, 1, e / 4);
+          const float dg = ds;
+          ds *= (&q.x)[e % 4];
+          z[e] = dg * (&t.x)[e % 4];
         }
         wdy[k][e] = dres_in ? ds + wdy[k][e] : ds;
       }
@@ -526,10 +542,16 @@ cudaError_t launch_norm_bwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaSt
       kernel = full ? norm_bwd_fast_kernel<kDt, kRt, true, kGateFirst, kCluster>
                     : norm_bwd_fast_kernel<kDt, kRt, false, kGateFirst, kCluster>;
   }
+  const size_t smem = a.z.present() && !a.norm_before_gate ? bwd_gate_stash_bytes(p) : 0;
   if constexpr (kCluster) {
-    return launch_rows<true>(kernel, a, p, sms, stream);
+    return launch_rows<true>(kernel, a, p, sms, stream, smem);
   } else {
-    kernel<<<unsigned(p.row_blocks * a.ngroups), p.block, 0, stream>>>(a, p);
+    if (smem > 0) {
+      const cudaError_t err =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+      if (err != cudaSuccess) return err;
+    }
+    kernel<<<unsigned(p.row_blocks * a.ngroups), p.block, smem, stream>>>(a, p);
     return cudaGetLastError();
   }
 }

@@ -63,8 +63,12 @@ cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 constexpr int kFastFwdSlices = 32;
 template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
-// The lean backward keeps kFastBwdSlices slices a thread, like the fused general one.
+// The lean backward keeps kFastBwdSlices slices a thread, like the fused general one. With the
+// gate first it keeps two floats an element in dynamic shared memory: bwd_gate_stash_bytes.
 constexpr int kFastBwdSlices = 2;
+inline size_t bwd_gate_stash_bytes(const NormPlan& p) {
+  return size_t(p.block) * kFastBwdSlices * 8 * 2 * sizeof(float);
+}
 template <int kDt, int kRt, bool kCluster>
 cudaError_t launch_norm_bwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 // The lean backward's clusters: up to 8 CTAs (the portable cluster size), 2 slices a thread, of
