@@ -64,7 +64,9 @@ constexpr int kFastFwdSlices = 32;
 template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 // The lean backward keeps kFastBwdSlices slices a thread, like the fused general one. With the
-// gate first it keeps two floats an element in dynamic shared memory: bwd_gate_stash_bytes.
+// gate first it keeps two floats for each element of those 8-column slices in dynamic shared
+// memory (bwd_gate_stash_bytes: 64 KB for 512 threads), which leaves the CTAs an SM as they
+// were: 128 registers a thread already hold them to 65536 / (128 * block).
 constexpr int kFastBwdSlices = 2;
 inline size_t bwd_gate_stash_bytes(const NormPlan& p) {
   return size_t(p.block) * kFastBwdSlices * 8 * 2 * sizeof(float);
