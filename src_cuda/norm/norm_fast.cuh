@@ -543,17 +543,8 @@ cudaError_t launch_norm_bwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaSt
                     : norm_bwd_fast_kernel<kDt, kRt, false, kGateFirst, kCluster>;
   }
   const size_t smem = a.z.present() && !a.norm_before_gate ? bwd_gate_stash_bytes(p) : 0;
-  if constexpr (kCluster) {
-    return launch_rows<true>(kernel, a, p, sms, stream, smem);
-  } else {
-    if (smem > 0) {
-      const cudaError_t err =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-      if (err != cudaSuccess) return err;
-    }
-    kernel<<<unsigned(p.row_blocks * a.ngroups), p.block, smem, stream>>>(a, p);
-    return cudaGetLastError();
-  }
+  // Without a cluster the fused plan (norm_cuda.cu) has already sized the persistent grid.
+  return launch_rows<kCluster>(kernel, a, p, sms, stream, smem, kCluster);
 }
 
 }  // namespace ssm
