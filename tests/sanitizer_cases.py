@@ -57,10 +57,11 @@ def run_scan_cases():
 
 # rows, hidden, group_size, kind, x dtype, weight dtype, z, norm_before_gate, pad, residual dtype.
 # Aligned rows of one dtype, or 16-bit x beside a float32 residual stream without a gate, take
-# the lean kernels: the forward one slice a thread up to 256 columns, staged beyond, on
-# clusters once a CTA's stage would pass 110 KB (24584 half: 5 CTAs, 65536 bf16: 8); the
-# backward on clusters past 8192 16-bit columns. Padded rows and other mixes take the general
-# kernels.
+# the lean kernels: the forward one slice a thread up to 256 columns, staged beyond; once a
+# CTA's stage would pass 110 KB, held in registers on clusters without a gate (24584 half: 2
+# CTAs, 40000 float32: 5, 65536 bf16: 4, 32768 bf16 beside a float32 stream: 2) and staged on
+# clusters with one (40000 bf16: 8, 14336 float32: 7); the backward on clusters past 8192
+# 16-bit columns. Padded rows and other mixes take the general kernels.
 NORM_CASES = [
     (7, 1, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.float32),
     (33, 7, 1, "layer", torch.float16, torch.float16, True, True, 0, torch.float32),
@@ -79,6 +80,7 @@ NORM_CASES = [
     (37, 24584, 0, "layer", torch.float16, torch.float16, False, True, 0, torch.float16),
     (300, 40000, 0, "rms", torch.float32, torch.float32, False, True, 0, torch.float32),
     (3, 65536, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, torch.bfloat16),
+    (5, 32768, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
     # The staged forward without a gate at a few hundred columns (65 slices: 64-thread CTAs, one
     # segment each) and with a gate on groups of 33 slices (16 threads a segment).
     (33, 520, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),

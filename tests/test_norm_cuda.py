@@ -27,7 +27,10 @@ dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 # lean kernels share segments past 8192 columns among the CTAs of a cluster (norm_fast.cuh):
 # 8200 (three 256-thread CTAs, the last one a slice), 24584 (seven, LayerNorm's two sums), 40000
 # (five 512-thread CTAs, 300 rows so each cluster walks many), 65536 (eight), 16384 with no rows
-# (zero dweight), and gated groups of 16384 and 12288 columns (a cluster per group).
+# (zero dweight), and gated groups of 16384 and 12288 columns (a cluster per group). The forward
+# without a gate holds segments past one CTA's stage in registers on clusters (norm_held.cuh):
+# 24584 (two 16-bit CTAs, the second short; four float32 ones), 40000 (three; five) and 65536
+# (four; eight).
 CLUSTER_ROWS = (
     BASE.replace(hidden=8200, lead=(9,), residual=True, prenorm=True),
     LAYER.replace(hidden=24584, lead=(37,), residual=True, prenorm=True),

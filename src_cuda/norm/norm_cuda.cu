@@ -271,8 +271,9 @@ cudaError_t with_lean_dtypes(LeanDtypes d, F f) {
 }
 
 // The staged forward's plan for a lean call (norm_plan.h): one CTA a segment while its stage
-// fits kStageBudget (two CTAs an SM), else the fewest CTAs of a cluster whose stages fit the
-// first of kClusterStageBudgets that needs at most kMaxCluster of them. False where that is not
+// fits kStageBudget (two CTAs an SM), else (with a gate: held_plan takes the calls without one)
+// the fewest CTAs of a cluster whose stages fit the first of kClusterStageBudgets that needs at
+// most kMaxCluster of them. False where that is not
 // enough, or a cluster would be needed and the device runs none, or the grid would be too
 // large. One H200, bf16 with a bf16 residual (TB/s): 32 KB CTAs beat 64 KB ones at 65536
 // columns (3.50 against 3.46), 16 KB ones lost there (2.57); 24 KB ones beat 32 KB ones where
@@ -282,16 +283,36 @@ cudaError_t with_lean_dtypes(LeanDtypes d, F f) {
 constexpr int64_t kStageBudget = 110 * 1024;
 constexpr int64_t kClusterStageBudgets[] = {24 * 1024, 32 * 1024};
 
+bool one_stage_fits(const NormArgs& a, LeanDtypes d) {
+  const int nslices = slices_of(a);
+  return nslices <= kStagedSlices * kNormMaxThreads &&
+         nslices * staged_slice_bytes(a, Dtype(d.dt), Dtype(d.rt)) <= kStageBudget;
+}
+
+// The held forward's plan (norm_plan.h) for a lean call without a gate whose segment passes one
+// CTA's stage: the fewest CTAs of held_slices a thread that hold it. False where more than
+// kMaxCluster are needed or the device runs no clusters.
+bool held_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
+  if (a.z.present() || one_stage_fits(a, d)) return false;
+  const int K = held_slices(Dtype(d.dt));
+  const int cluster = int(ceil_div(slices_of(a), K * kNormMaxThreads));
+  if (cluster > kMaxCluster || !cluster_kernels_run(device)) return false;
+  p = shape_plan(a, K, cluster);
+  p.block = p.threads;
+  p.vec = true;
+  p.row_blocks = a.rows;
+  return p.row_blocks * a.ngroups * cluster <= INT_MAX;
+}
+
 bool staged_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   const int nslices = slices_of(a);
-  const int64_t per_slice = slice_bytes(Dtype(d.dt)) * (a.z.present() ? 2 : 1) +
-                            (a.residual.present() ? slice_bytes(Dtype(d.rt)) : 0);
+  const int64_t per_slice = staged_slice_bytes(a, Dtype(d.dt), Dtype(d.rt));
   auto fits = [&](int c, int64_t budget) {
     return ceil_div(nslices, c) <= kStagedSlices * kNormMaxThreads &&
            ceil_div(nslices, c) * per_slice <= budget;
   };
   int cluster = 1;
-  if (!fits(1, kStageBudget)) {
+  if (!one_stage_fits(a, d)) {
     for (const int64_t budget : kClusterStageBudgets) {
       for (cluster = 2; cluster <= kMaxCluster && !fits(cluster, budget);) ++cluster;
       if (cluster <= kMaxCluster) break;
@@ -332,7 +353,14 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
                        }),
                        "norm_fwd launch");
   }
-  if (lean.ok && staged_plan(a, lean, device, p)) {
+  if (lean.ok && held_plan(a, lean, device, p)) {
+    const int sms = std::max(1, multiprocessor_count(device));
+    const cudaError_t err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
+      return launch_norm_fwd_held<decltype(dt)::value, decltype(rt)::value>(a, p, sms, s);
+    });
+    // Otherwise not one cluster fits on this device: the general kernels below.
+    if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
+  } else if (lean.ok && staged_plan(a, lean, device, p)) {
     const int sms = std::max(1, multiprocessor_count(device));
     const cudaError_t err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
       constexpr int D = decltype(dt)::value, R = decltype(rt)::value;

@@ -96,13 +96,29 @@ constexpr int kStagedSlices = 4;
 template <int kDt, int kRt, bool kCluster>
 cudaError_t launch_norm_fwd_staged(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
+// The held forward (norm_held.cuh): the lean forward's calls without a gate whose segments pass
+// kStageBudget (norm_cuda.cu), each thread holding held_slices(x's dtype) slices in registers,
+// one CTA of up to kNormMaxThreads threads a segment or a cluster of p.cluster of them
+// (p.cta_slices each), one block (cluster) a row. Always launched as a cluster, of one CTA too
+// (sm_90 and later). 64 bytes of x a thread, two CTAs an SM: eight 16-bit slices held 100-106
+// registers, one CTA an SM, and ran at 84% of copy against 92 with four at 32768 columns (one
+// H200, bf16 with a bf16 residual); four float32 slices spilled 172 bytes at 64 registers.
+// Returns cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the
+// device.
+__host__ __device__ constexpr int held_slices(Dtype x) { return x == Dtype::F32 ? 2 : 4; }
+template <int kDt, int kRt>
+cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
+
 // Bytes of one 8-column slice of dtype d.
 __host__ __device__ constexpr int slice_bytes(Dtype d) { return d == Dtype::F32 ? 32 : 16; }
 
+// Bytes the staged forward keeps of one slice: x (and z), then the residual.
+inline int staged_slice_bytes(const NormArgs& a, Dtype dt, Dtype rt) {
+  return slice_bytes(dt) * (a.z.present() ? 2 : 1) + (a.residual.present() ? slice_bytes(rt) : 0);
+}
+
 inline size_t staged_fwd_bytes(const NormArgs& a, const NormPlan& p, Dtype dt, Dtype rt) {
-  const int per_slice = slice_bytes(dt) * (a.z.present() ? 2 : 1) +
-                        (a.residual.present() ? slice_bytes(rt) : 0);
-  return size_t(p.block / p.threads) * size_t(p.cta_slices) * size_t(per_slice);
+  return size_t(p.block / p.threads) * size_t(p.cta_slices) * size_t(staged_slice_bytes(a, dt, rt));
 }
 
 // How many blocks of `block` threads of the backward kernel fit on one SM.
