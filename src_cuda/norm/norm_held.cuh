@@ -3,9 +3,10 @@
 // its held_slices slices in registers from the load to the store. Against the staged clusters
 // there (one H200, bf16, % of copy): 92 against 86 at 32768 columns, 90 against 86-88 at 65536,
 // 84 against 70 for LayerNorm with a float32 residual stream at 32768. The stage's round trip
-// through shared memory and the cluster's wait for its slowest CTA, both once a row, cost more
-// than the registers' CTAs an SM (two of 512 threads) lose. Included only by the
-// instantiation files.
+// through shared memory (about 1 us a 128 KB row at 128 bytes a clock) and clusters three times
+// the size (6 CTAs at 32768 columns against 2) cost more than the CTAs an SM that registers
+// allow (two of 512 threads against six of 256) lose. Included only by the instantiation
+// files.
 #pragma once
 
 #include "norm_fast.cuh"
