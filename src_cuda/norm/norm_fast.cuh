@@ -151,6 +151,29 @@ __device__ __forceinline__ void cluster_push_sum(float (&v)[M], ClusterInbox<M>&
 #endif
 }
 
+// The statistics of a segment once each thread has its share of the first sum in `acc`: g
+// (LayerNorm) or g squared (RMSNorm), summed over its elements. dev(mean): a thread's sum of
+// (g - mean)^2 over the same elements (called for LayerNorm only); row_sum(v, i): the segment's
+// total of v through reduction buffer i. Stores mean and rstd of row r where `store` (one thread
+// of the segment's first CTA does) and returns them.
+template <class RowSum, class Dev>
+__device__ __forceinline__ float2 segment_statistics(const NormArgs& a, const Place& at, int64_t r,
+                                                     bool store, float acc, RowSum row_sum,
+                                                     Dev dev) {
+  const float inv_len = 1.f / float(a.group_size);
+  float mean = 0.f, var = row_sum(acc, 0) * inv_len;
+  if (a.layer_norm) {
+    mean = var;
+    var = row_sum(dev(mean), 1) * inv_len;
+  }
+  const float rstd = rsqrtf(var + a.eps);
+  if (store && at.lane == 0 && at.first == 0) {
+    if (a.mean.present()) store_stat(a.mean, r, at.group, mean);
+    if (a.rstd.present()) store_stat(a.rstd, r, at.group, rstd);
+  }
+  return make_float2(mean, rstd);
+}
+
 }  // namespace norm_detail
 
 // Rows between two visits of the same (row block, group) unit: every block (cluster) of the grid

@@ -68,10 +68,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 2) norm_fwd_held_kernel(const
 #pragma unroll
     for (int e = 0; e < kSlice; ++e) acc += a.layer_norm ? g[k][e] : g[k][e] * g[k][e];
   }
-  const float inv_len = 1.f / float(a.group_size);
-  float mean = 0.f, var = row_sum(acc, 0) * inv_len;
-  if (a.layer_norm) {
-    mean = var;
+  const float2 stats = segment_statistics(a, at, r, true, acc, row_sum, [&](float mean) {
     float dev = 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -79,13 +76,9 @@ __global__ void __launch_bounds__(kNormMaxThreads, 2) norm_fwd_held_kernel(const
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) dev += (g[k][e] - mean) * (g[k][e] - mean);
     }
-    var = row_sum(dev, 1) * inv_len;
-  }
-  const float rstd = rsqrtf(var + a.eps);
-  if (at.lane == 0 && at.first == 0) {
-    if (a.mean.present()) store_stat(a.mean, r, at.group, mean);
-    if (a.rstd.present()) store_stat(a.rstd, r, at.group, rstd);
-  }
+    return dev;
+  });
+  const float mean = stats.x, rstd = stats.y;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if (!live(k)) continue;

@@ -150,10 +150,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_staged_kernel(const 
 #pragma unroll
     for (int e = 0; e < kSlice; ++e) acc += a.layer_norm ? g[e] : g[e] * g[e];
   }
-  const float inv_len = 1.f / float(a.group_size);
-  float mean = 0.f, var = row_sum(acc, 0) * inv_len;
-  if (a.layer_norm) {
-    mean = var;
+  const float2 stats = segment_statistics(a, at, r, row_ok, acc, row_sum, [&](float mean) {
     float dev = 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -164,13 +161,9 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_staged_kernel(const 
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) dev += (g[e] - mean) * (g[e] - mean);
     }
-    var = row_sum(dev, 1) * inv_len;
-  }
-  const float rstd = rsqrtf(var + a.eps);
-  if (row_ok && at.lane == 0 && at.first == 0) {
-    if (a.mean.present()) store_stat(a.mean, r, at.group, mean);
-    if (a.rstd.present()) store_stat(a.rstd, r, at.group, rstd);
-  }
+    return dev;
+  });
+  const float mean = stats.x, rstd = stats.y;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int v = at.lane + k * T;
