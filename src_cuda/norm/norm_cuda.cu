@@ -273,9 +273,8 @@ cudaError_t with_lean_dtypes(LeanDtypes d, F f) {
 // The staged forward's plan for a lean call (norm_plan.h): one CTA a segment while its stage
 // fits kStageBudget (two CTAs an SM), else (with a gate: held_plan takes the calls without one)
 // the fewest CTAs of a cluster whose stages fit the first of kClusterStageBudgets that needs at
-// most kMaxCluster of them. False where that is not
-// enough, or a cluster would be needed and the device runs none, or the grid would be too
-// large. One H200, bf16 with a bf16 residual (TB/s): 32 KB CTAs beat 64 KB ones at 65536
+// most kMaxCluster of them. False where that is not enough, or a cluster would be needed and
+// the device runs none, or the grid would be too large. One H200, bf16 with a bf16 residual (TB/s): 32 KB CTAs beat 64 KB ones at 65536
 // columns (3.50 against 3.46), 16 KB ones lost there (2.57); 24 KB ones beat 32 KB ones where
 // they still fit 8 CTAs (% of copy: 87 against 85 at 32768 columns, 84 against 82 for float32
 // at 16384); a 96 KB stage in one CTA beat two clustered 48 KB ones (3.61 against 3.12,
