@@ -4,6 +4,7 @@
 // the decode step's kernel.
 #include <algorithm>
 
+#include "../common/column_sums.cuh"
 #include "../common/cuda_status.h"
 #include "conv1d_device.cuh"
 #include "conv1d_plan.h"
@@ -165,29 +166,15 @@ cudaError_t copy_states(const TensorRef& src, const TensorRef& dst, const Conv1d
   return cudaGetLastError();
 }
 
-// dweight[c,k] (column c*(W+1)+k) and dbias[c] (column c*(W+1)+W): the partial rows added in a
-// fixed order, so the bits never change. 32 columns a block; each of the 32 warps sums every
-// 32nd partial row of them, then one warp adds the 32 warp totals in warp order. No partial
-// rows (batch 0 or seqlen 0) give zeros.
-constexpr int kReduceSplit = 32;
-
-__global__ void __launch_bounds__(32 * kReduceSplit)
+// dweight[c,k] (column c*(W+1)+k) and dbias[c] (column c*(W+1)+W): the partial rows added in
+// a fixed order (column_total). No partial rows (batch 0 or seqlen 0) give zeros.
+__global__ void __launch_bounds__(32 * kMaxColumnSumWarps)
     conv1d_reduce_partials_kernel(const float* partial, int64_t prows, int64_t dim, int width,
                                   TensorRef dweight, TensorRef dbias) {
-  __shared__ float totals[kReduceSplit][33];
-  const int lane = threadIdx.x & 31, split = threadIdx.x >> 5;
   const int64_t columns = dim * (width + 1);
-  const int64_t j = int64_t(blockIdx.x) * 32 + lane;
-  float s = 0.f;
-  if (j < columns) {
-#pragma unroll 4
-    for (int64_t r = split; r < prows; r += kReduceSplit) s += partial[r * columns + j];
-  }
-  totals[split][lane] = s;
-  __syncthreads();
-  if (split != 0 || j >= columns) return;
-  float total = 0.f;
-  for (int q = 0; q < kReduceSplit; ++q) total += totals[q][lane];
+  const int64_t j = int64_t(blockIdx.x) * 32 + (threadIdx.x & 31);
+  const float total = column_total(partial, prows, columns, j);
+  if (threadIdx.x >= 32 || j >= columns) return;
   const int64_t c = j / (width + 1);
   const int k = int(j % (width + 1));
   if (k < width && dweight.present())
@@ -315,8 +302,9 @@ ssm_status conv1d_bwd_cuda(const Conv1dArgs& a, int device, void* workspace, voi
   // dweight and dbias are written even with no partial rows: sums over nothing are zeros.
   if (err == cudaSuccess && sums && a.dim > 0) {
     const int64_t columns = a.dim * (a.width + 1);
-    conv1d_reduce_partials_kernel<<<unsigned(ceil_div(columns, 32)), 32 * kReduceSplit, 0, s>>>(
-        partial, partial == nullptr ? 0 : prows, a.dim, a.width, a.dweight, a.dbias);
+    const int64_t rows = partial == nullptr ? 0 : prows;
+    conv1d_reduce_partials_kernel<<<unsigned(ceil_div(columns, 32)), 32 * column_sum_warps(rows),
+                                    0, s>>>(partial, rows, a.dim, a.width, a.dweight, a.dbias);
     err = cudaGetLastError();
   }
   return cuda_status(err, "causal_conv1d_bwd launch");

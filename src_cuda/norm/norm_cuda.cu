@@ -7,6 +7,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "../common/column_sums.cuh"
 #include "../common/cuda_status.h"
 #include "norm_device.cuh"
 #include "norm_plan.h"
@@ -217,31 +218,17 @@ __global__ void __launch_bounds__(kColumnThreads) norm_column_sums_kernel(const 
   }
 }
 
-// dweight[j] (blockIdx.y 0) or dbias[j] (1): the partial rows added in a fixed order, so the
-// bits never change. 32 columns a block; each of the 32 warps sums every 32nd partial row of
-// them, then one warp adds the 32 warp totals in warp order.
-constexpr int kReduceSplit = 32;
-
-__global__ void __launch_bounds__(32 * kReduceSplit) norm_reduce_partials_kernel(
+// dweight[j] (blockIdx.y 0) or dbias[j] (1): column j of the partial rows, added in a fixed
+// order (column_total).
+__global__ void __launch_bounds__(32 * kMaxColumnSumWarps) norm_reduce_partials_kernel(
     const float* partial, int64_t partial_rows, int64_t hidden, TensorRef dweight,
     TensorRef dbias) {
-  __shared__ float totals[kReduceSplit][33];
   const TensorRef& out = blockIdx.y == 0 ? dweight : dbias;
   if (!out.present()) return;
-  const int lane = threadIdx.x & 31, split = threadIdx.x >> 5;
-  const int64_t j = int64_t(blockIdx.x) * 32 + lane;
-  const float* src = partial + blockIdx.y * partial_rows * hidden + j;
-  float s = 0.f;
-  if (j < hidden) {
-#pragma unroll 4
-    for (int64_t b = split; b < partial_rows; b += kReduceSplit) s += src[b * hidden];
-  }
-  totals[split][lane] = s;
-  __syncthreads();
-  if (split != 0 || j >= hidden) return;
-  float total = 0.f;
-  for (int q = 0; q < kReduceSplit; ++q) total += totals[q][lane];
-  store_from_float(out.data, j, out.dtype, total);
+  const int64_t j = int64_t(blockIdx.x) * 32 + (threadIdx.x & 31);
+  const float total =
+      column_total(partial + blockIdx.y * partial_rows * hidden, partial_rows, hidden, j);
+  if (threadIdx.x < 32 && j < hidden) store_from_float(out.data, j, out.dtype, total);
 }
 
 }  // namespace
@@ -430,7 +417,7 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   }
   if (err == cudaSuccess && sums) {
     const dim3 grid(unsigned(ceil_div(a.hidden, 32)), 2);
-    norm_reduce_partials_kernel<<<grid, 32 * kReduceSplit, 0, s>>>(
+    norm_reduce_partials_kernel<<<grid, 32 * column_sum_warps(setup.partial_rows), 0, s>>>(
         partial, setup.partial_rows, a.hidden, a.dweight, a.dbias);
     err = cudaGetLastError();
   }
