@@ -12,31 +12,20 @@
 // instantiation files.
 #pragma once
 
+#include "../common/cp_async.cuh"
 #include "norm_fast.cuh"
 
 namespace ssm {
 
 namespace norm_detail {
 
-// 16 bytes global -> shared without registers; complete (for this thread) after staged_wait.
-__device__ __forceinline__ void stage_16_bytes(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(smem))),
-               "l"(gmem)
-               : "memory");
-}
-
-__device__ __forceinline__ void staged_wait() {
-  asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
-}
-
 template <Dtype D>
 __device__ __forceinline__ void stage_slice(char* to, const TensorRef& t, int64_t r,
                                             int64_t col) {
   constexpr int kBytes = D == Dtype::F32 ? 4 : 2;
   const char* from = static_cast<const char*>(t.data) + (r * t.stride[0] + col) * kBytes;
-  stage_16_bytes(to, from);
-  if (D == Dtype::F32) stage_16_bytes(to + 16, from + 16);
+  cp_async_16(to, from);
+  if (D == Dtype::F32) cp_async_16(to + 16, from + 16);
 }
 
 }  // namespace norm_detail
@@ -82,7 +71,8 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_staged_kernel(const 
     if (residual) stage_slice<R>(sr + v * BR, a.residual, r, col(k));
     if (kGate) stage_slice<D>(sz + v * BD, a.z, r, col(k));
   }
-  staged_wait();
+  cp_async_commit();
+  cp_async_wait<0>();
   if (kCluster) cluster_inbox_ready();
   auto row_sum = [&](float v, int i) {
     float t[1] = {v};
