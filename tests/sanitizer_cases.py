@@ -58,8 +58,10 @@ def run_scan_cases():
 # rows, hidden, group_size, kind, x dtype, weight dtype, z, norm_before_gate, pad, residual dtype.
 # Aligned rows of one dtype, or 16-bit x beside a float32 residual stream without a gate, take
 # the lean kernels: the forward one slice a thread up to 256 columns, staged beyond; once a
-# CTA's stage would pass 110 KB, held in registers on clusters without a gate (24584 half: 2
-# CTAs, 40000 float32: 5, 65536 bf16: 4, 32768 bf16 beside a float32 stream: 2) and staged on
+# CTA's stage would pass 110 KB, held in registers without a gate, in one plain CTA for an
+# RMSNorm of 16-bit rows beside a stream of their dtype (24584 and 32768 below) and on clusters
+# otherwise (24584 half: 2 CTAs, 40000 float32: 5, 65536 bf16: 4, 32768 bf16 beside a float32
+# stream: 2) and staged on
 # clusters with one (40000 bf16: 8, 14336 float32: 7); the backward on clusters past 8192
 # 16-bit columns. Padded rows and other mixes take the general kernels.
 NORM_CASES = [
@@ -81,6 +83,9 @@ NORM_CASES = [
     (300, 40000, 0, "rms", torch.float32, torch.float32, False, True, 0, torch.float32),
     (3, 65536, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, torch.bfloat16),
     (5, 32768, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
+    # The held forward in one plain 1024-thread CTA: the last lanes idle, then every lane full.
+    (5, 24584, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
+    (3, 32768, 0, "rms", torch.float16, torch.float16, False, True, 0, torch.float16),
     # The staged forward without a gate at a few hundred columns (65 slices: 64-thread CTAs, one
     # segment each) and with a gate on groups of 33 slices (16 threads a segment).
     (33, 520, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),

@@ -30,8 +30,11 @@ dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 # (zero dweight), and gated groups of 16384 and 12288 columns (a cluster per group). The forward
 # without a gate holds segments past one CTA's stage in registers on clusters (norm_held.cuh):
 # 24584 (two 16-bit CTAs, the second short; four float32 ones), 40000 (three; five) and 65536
-# (four; eight).
+# (four; eight); an RMSNorm of 16-bit rows there in one plain CTA of up to 1024 threads: 24584
+# (3073 slices, the last lanes idle) and 32768 (every lane full).
 CLUSTER_ROWS = (
+    BASE.replace(hidden=24584, lead=(37,), residual=True, prenorm=True),
+    BASE.replace(hidden=32768, lead=(4,), bias=True),
     BASE.replace(hidden=8200, lead=(9,), residual=True, prenorm=True),
     LAYER.replace(hidden=24584, lead=(37,), residual=True, prenorm=True),
     BASE.replace(hidden=40000, lead=(300,), zero_centered_weight=True),

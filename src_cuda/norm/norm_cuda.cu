@@ -261,11 +261,11 @@ cudaError_t with_lean_dtypes(LeanDtypes d, F f) {
 // fits kStageBudget (two CTAs an SM), else (with a gate: held_plan takes the calls without one)
 // the fewest CTAs of a cluster whose stages fit the first of kClusterStageBudgets that needs at
 // most kMaxCluster of them. False where that is not enough, or a cluster would be needed and
-// the device runs none, or the grid would be too large. One H200, bf16 with a bf16 residual (TB/s): 32 KB CTAs beat 64 KB ones at 65536
-// columns (3.50 against 3.46), 16 KB ones lost there (2.57); 24 KB ones beat 32 KB ones where
-// they still fit 8 CTAs (% of copy: 87 against 85 at 32768 columns, 84 against 82 for float32
-// at 16384); a 96 KB stage in one CTA beat two clustered 48 KB ones (3.61 against 3.12,
-// LayerNorm with a float32 residual stream at 16384).
+// the device runs none, or the grid would be too large. One H200, bf16 with a bf16 residual
+// (TB/s): 32 KB CTAs beat 64 KB ones at 65536 columns (3.50 against 3.46), 16 KB ones lost
+// there (2.57); 24 KB ones beat 32 KB ones where they still fit 8 CTAs (% of copy: 87 against
+// 85 at 32768 columns, 84 against 82 for float32 at 16384); a 96 KB stage in one CTA beat two
+// clustered 48 KB ones (3.61 against 3.12, LayerNorm with a float32 residual stream at 16384).
 constexpr int64_t kStageBudget = 110 * 1024;
 constexpr int64_t kClusterStageBudgets[] = {24 * 1024, 32 * 1024};
 
@@ -276,12 +276,26 @@ bool one_stage_fits(const NormArgs& a, LeanDtypes d) {
 }
 
 // The held forward's plan (norm_plan.h) for a lean call without a gate whose segment passes one
-// CTA's stage: the fewest CTAs of held_slices a thread that hold it. False where more than
-// kMaxCluster are needed or the device runs no clusters.
+// CTA's stage: one plain CTA of held_slices a thread for an RMSNorm of 16-bit rows (with a
+// residual of their dtype) that one holds, else the fewest clustered CTAs that hold it. False
+// where more than kMaxCluster are needed or the device runs no clusters. One H200, % of copy,
+// bf16 with a bf16 residual, plain CTA against a cluster of two: 93-95 / 91-93 at 32768, 92 /
+// 83 at 20000, 93 / 88 at 24576. Not for the others, one CTA an SM idling while it reduces: a
+// LayerNorm's two reductions lost (80 / 84, bf16 at 32768), and so did float32 rows (96 / 97 at
+// 16384) and 16-bit ones beside a float32 stream (the registers spill).
 bool held_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   if (a.z.present() || one_stage_fits(a, d)) return false;
   const int K = held_slices(Dtype(d.dt));
-  const int cluster = int(ceil_div(slices_of(a), K * kNormMaxThreads));
+  const int nslices = slices_of(a);
+  if (!a.layer_norm && Dtype(d.dt) != Dtype::F32 && d.rt == d.dt &&
+      nslices <= K * kHeldMaxThreads) {
+    p = shape_plan(a, K);
+    p.threads = p.block = pow2_at_least(ceil_div(nslices, K));
+    p.vec = true;
+    p.row_blocks = a.rows;
+    return p.row_blocks * a.ngroups <= INT_MAX;
+  }
+  const int cluster = int(ceil_div(nslices, K * kNormMaxThreads));
   if (cluster > kMaxCluster || !cluster_kernels_run(device)) return false;
   p = shape_plan(a, K, cluster);
   p.block = p.threads;

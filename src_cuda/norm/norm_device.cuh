@@ -18,17 +18,17 @@ namespace norm_detail {
 
 // Sums M values over the `threads` threads of each segment; every thread gets the totals, in
 // the same bits: butterfly shuffles within each warp, then the segment's warp partials
-// (`threads` <= 512: at most 16) butterflied across the lanes of every warp again, each lane
-// group reading them in the same positions. `red` is shared memory of (blockDim / 32) * M
-// floats. Called by every thread of the block. `red_free` says no thread may still be reading
-// `red` from an earlier call (the caller alternates two buffers, so the barrier of the call in
-// between has seen to it); otherwise a barrier waits for them. The loops are unrolled with
-// uniform guards: a run-time loop over the warps cost the lean backward ~10% of its
-// instructions.
-template <int M>
+// (`threads` <= kMaxThreads <= 1024: at most 32) butterflied across the lanes of every warp
+// again, each lane group reading them in the same positions; kMaxThreads bounds the unrolled
+// loop. `red` is shared memory of (blockDim / 32) * M floats. Called by every thread of the
+// block. `red_free` says no thread may still be reading `red` from an earlier call (the caller
+// alternates two buffers, so the barrier of the call in between has seen to it); otherwise a
+// barrier waits for them. The loops are unrolled with uniform guards: a run-time loop over the
+// warps cost the lean backward ~10% of its instructions.
+template <int M, int kMaxThreads = kNormMaxThreads>
 __device__ __forceinline__ void segment_sum(float (&v)[M], int threads, float* red,
                                             bool red_free = false) {
-  static_assert(kNormMaxThreads <= 32 * 32, "the warp partials fit one warp");
+  static_assert(kMaxThreads <= 32 * 32, "the warp partials fit one warp");
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
     if (o >= threads) break;
@@ -48,7 +48,7 @@ __device__ __forceinline__ void segment_sum(float (&v)[M], int threads, float* r
 #pragma unroll
   for (int i = 0; i < M; ++i) v[i] = red[from * M + i];
 #pragma unroll
-  for (int o = 1; o < kNormMaxThreads / 32; o <<= 1) {
+  for (int o = 1; o < kMaxThreads / 32; o <<= 1) {
     if (o >= warps) break;
 #pragma unroll
     for (int i = 0; i < M; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);

@@ -5,26 +5,30 @@
 // 84 against 70 for LayerNorm with a float32 residual stream at 32768. The stage's round trip
 // through shared memory (about 1 us a 128 KB row at 128 bytes a clock) and clusters three times
 // the size (6 CTAs at 32768 columns against 2) cost more than the CTAs an SM that registers
-// allow (two of 512 threads against six of 256) lose. Included only by the instantiation
-// files.
+// allow (two of 512 threads against six of 256) lose. A cluster launch costs too, even of one
+// CTA: the same 1024-thread CTA a row ran at 89-90% of copy launched as a cluster and at 95
+// launched plain (RMSNorm, bf16 with a bf16 residual, 32768 columns), so norm_cuda.cu plans one
+// plain CTA wherever one holds the segment. Included only by the instantiation files.
 #pragma once
 
 #include "norm_fast.cuh"
 
 namespace ssm {
 
-// kDt, kRt as for norm_fwd_fast_kernel. Not persistent: one block (cluster) a segment, so every
-// row a block sees exists, and a new one starts loading the moment one ends.
-template <int kDt, int kRt>
-__global__ void __launch_bounds__(kNormMaxThreads, 2) norm_fwd_held_kernel(const NormArgs a,
-                                                                        const NormPlan p) {
+// kDt, kRt as for norm_fwd_fast_kernel; kCluster: launched as clusters of p.cluster CTAs of up
+// to kNormMaxThreads threads (two an SM), else as plain CTAs of up to kHeldMaxThreads. Not
+// persistent: one block (cluster) a segment, so every row a block sees exists, and a new one
+// starts loading the moment one ends.
+template <int kDt, int kRt, bool kCluster>
+__global__ void __launch_bounds__(kCluster ? kNormMaxThreads : kHeldMaxThreads, kCluster ? 2 : 1)
+    norm_fwd_held_kernel(const NormArgs a, const NormPlan p) {
   using namespace norm_detail;
   constexpr Dtype D = Dtype(kDt), R = Dtype(kRt);
   constexpr int K = held_slices(D);
-  __shared__ float red[2][kNormMaxThreads / 32];
-  __shared__ ClusterInbox<1> inbox[2];  // one a reduction
-  cluster_inbox_init(inbox);
-  const Place at(a, p, true);
+  __shared__ float red[2][(kCluster ? kNormMaxThreads : kHeldMaxThreads) / 32];
+  __shared__ ClusterInbox<1> inbox[kCluster ? 2 : 1];  // one a reduction
+  if (kCluster) cluster_inbox_init(inbox);
+  const Place at(a, p, kCluster);
   const int T = p.threads;
   const int64_t r = at.row_block;
   const bool residual = a.residual.present();
@@ -40,11 +44,12 @@ __global__ void __launch_bounds__(kNormMaxThreads, 2) norm_fwd_held_kernel(const
     if (residual)
       fetch_slice(a.residual.data, R, r * a.residual.stride[0] + col(k), kSlice, true, t[k]);
   }
-  cluster_inbox_ready();
+  if (kCluster) cluster_inbox_ready();
   auto row_sum = [&](float v, int i) {
     float q[1] = {v};
-    segment_sum(q, T, red[i], true);
-    cluster_push_sum(q, inbox[i], p.cluster, int(blockIdx.x % p.cluster), 0);
+    segment_sum<1, kCluster ? kNormMaxThreads : kHeldMaxThreads>(q, T, red[i], true);
+    if constexpr (kCluster)
+      cluster_push_sum(q, inbox[i], p.cluster, int(blockIdx.x % p.cluster), 0);
     return q[0];
   };
 
@@ -98,7 +103,13 @@ __global__ void __launch_bounds__(kNormMaxThreads, 2) norm_fwd_held_kernel(const
 
 template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
-  return launch_rows<true>(norm_fwd_held_kernel<kDt, kRt>, a, p, sms, stream, 0, false);
+  // held_plan plans plain CTAs for 16-bit rows beside a stream of their dtype only.
+  if constexpr (kDt == kRt && Dtype(kDt) != Dtype::F32) {
+    if (p.cluster == 1)
+      return launch_rows<false>(norm_fwd_held_kernel<kDt, kRt, false>, a, p, sms, stream, 0,
+                                false);
+  }
+  return launch_rows<true>(norm_fwd_held_kernel<kDt, kRt, true>, a, p, sms, stream, 0, false);
 }
 
 }  // namespace ssm

@@ -97,15 +97,16 @@ template <int kDt, int kRt, bool kCluster>
 cudaError_t launch_norm_fwd_staged(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
 // The held forward (norm_held.cuh): the lean forward's calls without a gate whose segments pass
-// kStageBudget (norm_cuda.cu), each thread holding held_slices(x's dtype) slices in registers,
-// one CTA of up to kNormMaxThreads threads a segment or a cluster of p.cluster of them
-// (p.cta_slices each), one block (cluster) a row. Always launched as a cluster, of one CTA too
-// (sm_90 and later). 64 bytes of x a thread, two CTAs an SM: eight 16-bit slices held 100-106
-// registers, one CTA an SM, and ran at 84% of copy against 92 with four at 32768 columns (one
-// H200, bf16 with a bf16 residual); four float32 slices spilled 172 bytes at 64 registers.
-// Returns cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the
-// device.
+// one stage (norm_cuda.cu), each thread holding held_slices(x's dtype) slices in registers, one
+// block a row: with p.cluster == 1 one plain CTA of up to kHeldMaxThreads threads (one an SM),
+// else a thread-block cluster of p.cluster CTAs of up to kNormMaxThreads threads (two an SM,
+// p.cta_slices each; sm_90 and later). 64 bytes of x a thread: eight 16-bit slices held 100-106
+// registers, one 512-thread CTA an SM, and ran at 84% of copy against 92 with four at 32768
+// columns (one H200, bf16 with a bf16 residual); four float32 slices spilled 172 bytes at 64
+// registers. With p.cluster > 1 it returns cudaErrorInvalidClusterSize, launching nothing, when
+// not one cluster fits on the device.
 __host__ __device__ constexpr int held_slices(Dtype x) { return x == Dtype::F32 ? 2 : 4; }
+constexpr int kHeldMaxThreads = 1024;
 template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
