@@ -7,8 +7,9 @@
 // the size (6 CTAs at 32768 columns against 2) cost more than the CTAs an SM that registers
 // allow (two of 512 threads against six of 256) lose. A cluster launch costs too, even of one
 // CTA: the same 1024-thread CTA a row ran at 89-90% of copy launched as a cluster and at 95
-// launched plain (RMSNorm, bf16 with a bf16 residual, 32768 columns), so norm_cuda.cu plans one
-// plain CTA wherever one holds the segment. Included only by the instantiation files.
+// launched plain (RMSNorm, bf16 with a bf16 residual, 32768 columns), so held_plan
+// (norm_cuda.cu) plans one plain CTA for the 16-bit RMSNorm rows one holds. Included only by the
+// instantiation files.
 #pragma once
 
 #include "norm_fast.cuh"
