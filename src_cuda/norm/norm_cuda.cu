@@ -287,17 +287,13 @@ bool held_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   if (a.z.present() || one_stage_fits(a, d)) return false;
   const int K = held_slices(Dtype(d.dt));
   const int nslices = slices_of(a);
-  if (!a.layer_norm && Dtype(d.dt) != Dtype::F32 && d.rt == d.dt &&
-      nslices <= K * kHeldMaxThreads) {
-    p = shape_plan(a, K);
-    p.threads = p.block = pow2_at_least(ceil_div(nslices, K));
-    p.vec = true;
-    p.row_blocks = a.rows;
-    return p.row_blocks * a.ngroups <= INT_MAX;
-  }
-  const int cluster = int(ceil_div(nslices, K * kNormMaxThreads));
-  if (cluster > kMaxCluster || !cluster_kernels_run(device)) return false;
+  const bool plain = !a.layer_norm && Dtype(d.dt) != Dtype::F32 && d.rt == d.dt &&
+                     nslices <= K * kHeldMaxThreads;
+  const int cluster = plain ? 1 : int(ceil_div(nslices, K * kNormMaxThreads));
+  if (cluster > kMaxCluster || (!plain && !cluster_kernels_run(device))) return false;
   p = shape_plan(a, K, cluster);
+  // shape_plan stops at kNormMaxThreads; a plain CTA takes up to kHeldMaxThreads.
+  if (plain) p.threads = pow2_at_least(ceil_div(nslices, K));
   p.block = p.threads;
   p.vec = true;
   p.row_blocks = a.rows;
