@@ -55,15 +55,18 @@ def run_scan_cases():
               flush=True)
 
 
-# rows, hidden, group_size, kind, x dtype, weight dtype, z, norm_before_gate, pad, residual dtype.
+# rows, hidden, group_size, kind, x dtype, weight dtype, z, norm_before_gate, pad, residual dtype
+# (None: no residual).
 # Aligned rows of one dtype, or 16-bit x beside a float32 residual stream without a gate, take
-# the lean kernels: the forward one slice a thread up to 256 columns, staged beyond; once a
-# CTA's stage would pass 110 KB, held in registers without a gate, in one plain CTA for an
-# RMSNorm of 16-bit rows beside a stream of their dtype (24584 and 32768 below) and on clusters
-# otherwise (24584 half: 2 CTAs, 40000 float32: 5, 65536 bf16: 4, 32768 bf16 beside a float32
-# stream: 2) and staged on
-# clusters with one (40000 bf16: 8, 14336 float32: 7); the backward on clusters past 8192
-# 16-bit columns. Padded rows and other mixes take the general kernels.
+# the lean kernels: the forward one slice a thread up to 256 columns; beyond, without a gate,
+# held in registers in one plain CTA where held_plan (norm_cuda.cu) says so (the block marked
+# below, and 8200 bf16: 4 slices a thread in 512 threads), staged otherwise (16384 half beside a
+# float32 stream, 6152 bf16); once a CTA's stage would pass 110 KB, held in registers without a
+# gate, in one plain CTA for an RMSNorm of 16-bit rows beside a stream of their dtype (24584 and
+# 32768 below) and on clusters otherwise (24584 half: 2 CTAs, 40000 float32: 5, 65536 bf16: 4,
+# 32768 bf16 beside a float32 stream: 2) and staged on clusters with one (40000 bf16: 8, 14336
+# float32: 7); the backward on clusters past 8192 16-bit columns. Padded rows and other mixes
+# take the general kernels.
 NORM_CASES = [
     (7, 1, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.float32),
     (33, 7, 1, "layer", torch.float16, torch.float16, True, True, 0, torch.float32),
@@ -86,9 +89,21 @@ NORM_CASES = [
     # The held forward in one plain 1024-thread CTA: the last lanes idle, then every lane full.
     (5, 24584, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     (3, 32768, 0, "rms", torch.float16, torch.float16, False, True, 0, torch.float16),
-    # The staged forward without a gate at a few hundred columns (65 slices: 64-thread CTAs, one
-    # segment each) and with a gate on groups of 33 slices (16 threads a segment).
+    # The held forward in one plain CTA within a stage: 2 slices a thread, a 512-thread CTA beside
+    # a float32 stream and a float32 LayerNorm, every lane full; 257 slices, one lane holding a
+    # second (16-bit) or a fourth (float32 RMSNorm); 4 slices a thread without a residual, and
+    # in 512 16-bit threads at 1537 slices; 65 slices in 64 threads.
+    (9, 8192, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
+    (3, 8192, 0, "layer", torch.float32, torch.float32, False, True, 0, torch.float32),
+    (5, 2056, 0, "rms", torch.float16, torch.float32, False, True, 0, torch.float16),
+    (7, 2056, 0, "rms", torch.float32, torch.float32, False, True, 0, torch.float32),
+    (7, 8192, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, None),
+    (5, 8192, 0, "rms", torch.float32, torch.float32, False, True, 0, None),
+    (3, 12296, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, torch.bfloat16),
     (33, 520, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
+    # The staged forward without a gate: an RMSNorm of 16-bit rows beside their dtype, 769 slices.
+    (5, 6152, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
+    # The staged forward with a gate on groups of 33 slices (16 threads a segment).
     (9, 2112, 264, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.bfloat16),
     # The staged forward with a gate: one CTA a segment, a cluster of 8, one of 7 (float32).
     (5, 4104, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.bfloat16),
@@ -102,14 +117,17 @@ def run_norm_cases():
         def rows_of(dt=dtype):
             # pad > 0: rows sit hidden + pad apart, so neither rows nor vectors line up.
             return torch.randn(rows, hidden + pad, device="cuda", dtype=dt)[:, :hidden]
-        x, residual, dy, dres = rows_of(), rows_of(rdtype), rows_of(), rows_of()
+        x, dy, dres = rows_of(), rows_of(), rows_of()
+        residual = None if rdtype is None else rows_of(rdtype)
         z = rows_of() if gated else None
         weight = torch.randn(hidden, device="cuda", dtype=wdtype)
         bias = torch.randn(hidden, device="cuda", dtype=wdtype) if kind == "layer" else None
         options = dict(kind=kind, eps=1e-5, group_size=group or None, norm_before_gate=before)
         fwd = libssm.norm_fwd(x, weight, bias, residual=residual, z=z, **options)
-        grads = libssm.norm_bwd(fwd.residual_out, dy, fwd.mean, fwd.rstd, weight, bias, z=z,
-                                dresidual_out=dres, residual_dtype=dtype, **options)
+        s = x if residual is None else fwd.residual_out
+        grads = libssm.norm_bwd(s, dy, fwd.mean, fwd.rstd, weight, bias, z=z,
+                                dresidual_out=None if residual is None else dres,
+                                residual_dtype=dtype, **options)
         torch.cuda.synchronize()
         outputs = [t for t in tuple(fwd) + tuple(grads) if t is not None]
         finite = all(bool(torch.isfinite(t).all()) for t in outputs)

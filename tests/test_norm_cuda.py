@@ -31,7 +31,8 @@ dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 # without a gate holds segments past one CTA's stage in registers on clusters (norm_held.cuh):
 # 24584 (two 16-bit CTAs, the second short; four float32 ones), 40000 (three; five) and 65536
 # (four; eight); an RMSNorm of 16-bit rows there in one plain CTA of up to 1024 threads: 24584
-# (3073 slices, the last lanes idle) and 32768 (every lane full).
+# (3073 slices, the last lanes idle) and 32768 (every lane full). Shorter rows without a gate
+# take one plain held CTA too (HELD_ROWS), in each shape held_plan (norm_cuda.cu) picks.
 CLUSTER_ROWS = (
     BASE.replace(hidden=24584, lead=(37,), residual=True, prenorm=True),
     BASE.replace(hidden=32768, lead=(4,), bias=True),
@@ -43,7 +44,23 @@ CLUSTER_ROWS = (
     GATED.replace(hidden=32768, group_size=16384, lead=(6,)),
     BASE.replace(hidden=24576, z=True, group_size=12288, lead=(5,)),
 )
-AWKWARD_ROWS = CLUSTER_ROWS + (
+# The plain held CTAs within one stage: 2 slices a thread in 512 threads, every lane full (8192
+# columns; float32 LayerNorm too); 2056 columns, 257 slices, so one lane holds a second slice
+# (16-bit) or a fourth (a float32 RMSNorm takes 4); 264, 33 slices in 32 threads; without a
+# residual, 4 slices a thread at 8192 and 1032 columns (float32: 4 for the RMSNorm at 8192, 2
+# for the LayerNorm at 1032); 12296 columns beside a residual, 4 slices a thread in 512 16-bit
+# threads, the last ones idle; 6152, 769 slices, staged for a 16-bit RMSNorm and 4 slices a
+# thread in 256 float32 threads.
+HELD_ROWS = (
+    LAYER.replace(hidden=8192, lead=(9,), residual=True, prenorm=True),
+    BASE.replace(hidden=2056, lead=(5,), residual=True),
+    BASE.replace(hidden=264, lead=(40,), residual=True, prenorm=True),
+    BASE.replace(hidden=8192, lead=(7,)),
+    LAYER.replace(hidden=1032, lead=(11,)),
+    BASE.replace(hidden=12296, lead=(3,), residual=True, prenorm=True),
+    BASE.replace(hidden=6152, lead=(5,), residual=True),
+)
+AWKWARD_ROWS = CLUSTER_ROWS + HELD_ROWS + (
     GATED.replace(hidden=1, group_size=0, lead=(5000,)),
     LAYER.replace(hidden=7, residual=True, z=True, lead=(1000,)),
     GATED.replace(hidden=4097, group_size=241, lead=(33,)),
@@ -154,6 +171,8 @@ MIXES = {
 @pytest.mark.parametrize("case", [GATED.replace(bias=True),
                                   LAYER.replace(hidden=2048, residual=True, prenorm=True,
                                                 lead=(33,)),
+                                  LAYER.replace(hidden=8192, residual=True, prenorm=True,
+                                                lead=(5,)),
                                   LAYER.replace(hidden=4097, residual=True, z=True, lead=(9,)),
                                   BASE.replace(hidden=20000, residual=True, bias=True,
                                                lead=(3,))], ids=case_id)

@@ -10,7 +10,7 @@ FWD_SLICES = ((1, False), (2, False), (4, False), (4, True))
 BWD_SLICES = ((2, False), (2, True))
 # The lean backward (kCluster) and the staged forward (kCluster), each for every (kDt, kRt) of
 # FAST_DTYPES, and the lean and held forwards (no kCluster: the lean one never clusters, the
-# held one always does).
+# held one's launcher picks its kernels from the plan at run time).
 CLUSTERED = (False, True)
 # (file stem, what it holds, the launcher's declaration, its header) of those two.
 CLUSTERED_LAUNCHERS = (
@@ -66,7 +66,7 @@ def main():
               header="norm_fast.cuh")
         write("norm_fwd_held_%s.cu" % tag, "the held fused-norm forward, %s." % rows,
               ["template cudaError_t launch_norm_fwd_held<%d, %d>(const NormArgs&, NormPlan&,"
-               " int, cudaStream_t);" % (dt, rt)],
+               " int, int, cudaStream_t);" % (dt, rt)],
               header="norm_held.cuh")
         for cluster in CLUSTERED:
             for stem, what, launcher, header in CLUSTERED_LAUNCHERS:

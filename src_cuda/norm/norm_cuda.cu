@@ -257,15 +257,16 @@ cudaError_t with_lean_dtypes(LeanDtypes d, F f) {
   }
 }
 
-// The staged forward's plan for a lean call (norm_plan.h): one CTA a segment while its stage
-// fits kStageBudget (two CTAs an SM), else (with a gate: held_plan takes the calls without one)
-// the fewest CTAs of a cluster whose stages fit the first of kClusterStageBudgets that needs at
-// most kMaxCluster of them. False where that is not enough, or a cluster would be needed and
-// the device runs none, or the grid would be too large. One H200, bf16 with a bf16 residual
-// (TB/s): 32 KB CTAs beat 64 KB ones at 65536 columns (3.50 against 3.46), 16 KB ones lost
-// there (2.57); 24 KB ones beat 32 KB ones where they still fit 8 CTAs (% of copy: 87 against
-// 85 at 32768 columns, 84 against 82 for float32 at 16384); a 96 KB stage in one CTA beat two
-// clustered 48 KB ones (3.61 against 3.12, LayerNorm with a float32 residual stream at 16384).
+// The staged forward's plan for a lean call held_plan leaves (norm_plan.h): one CTA a segment
+// while its stage fits kStageBudget (two CTAs an SM), else (with a gate: held_plan takes the
+// calls without one) the fewest CTAs of a cluster whose stages fit the first of
+// kClusterStageBudgets that needs at most kMaxCluster of them. False where that is not enough,
+// or a cluster would be needed and the device runs none, or the grid would be too large. One
+// H200, bf16 with a bf16 residual (TB/s): 32 KB CTAs beat 64 KB ones at 65536 columns (3.50
+// against 3.46), 16 KB ones lost there (2.57); 24 KB ones beat 32 KB ones where they still fit
+// 8 CTAs (% of copy: 87 against 85 at 32768 columns, 84 against 82 for float32 at 16384); a 96
+// KB stage in one CTA beat two clustered 48 KB ones (3.61 against 3.12, LayerNorm with a
+// float32 residual stream at 16384).
 constexpr int64_t kStageBudget = 110 * 1024;
 constexpr int64_t kClusterStageBudgets[] = {24 * 1024, 32 * 1024};
 
@@ -275,29 +276,63 @@ bool one_stage_fits(const NormArgs& a, LeanDtypes d) {
          nslices * staged_slice_bytes(a, Dtype(d.dt), Dtype(d.rt)) <= kStageBudget;
 }
 
-// The held forward's plan (norm_plan.h) for a lean call without a gate whose segment passes one
-// CTA's stage: one plain CTA of held_slices a thread for an RMSNorm of 16-bit rows (with a
-// residual of their dtype) that one holds, else the fewest clustered CTAs that hold it. False
-// where more than kMaxCluster are needed or the device runs no clusters. One H200, % of copy,
-// bf16 with a bf16 residual, plain CTA against a cluster of two: 93-95 / 91-93 at 32768, 92 /
-// 83 at 20000, 93 / 88 at 24576. Not for the others, one CTA an SM idling while it reduces: a
-// LayerNorm's two reductions lost (80 / 84, bf16 at 32768), and so did float32 rows (96 / 97 at
-// 16384) and 16-bit ones beside a float32 stream (the registers spill).
-bool held_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
-  if (a.z.present() || one_stage_fits(a, d)) return false;
-  const int K = held_slices(Dtype(d.dt));
+// The held forward's plan (norm_plan.h) for a lean call without a gate: the slices a thread
+// holds in a plain CTA, or 0 where it takes clusters (or, for a segment that one CTA's stage
+// holds, the staged forward). One H200, % of copy, direct timing, the staged forward or the
+// clusters against the plain CTA chosen:
+// - up to 8192 16-bit columns, 2 slices a thread: LayerNorm, bf16 beside a float32 stream, 83 /
+//   85 at 512 columns, 86 / 90 at 1024, 92 / 94 at 2048, 94 / 96 at 4096, 92 / 95 at 8192;
+//   RMSNorm 89 / 92 to 94 / 97; bf16 beside bf16, LayerNorm 74 / 89 at 1024 to 85 / 95 at 8192,
+//   RMSNorm 52 / 61 at 264 columns, 82-96 / 83-96 from 512 to 4096; float32 LayerNorm 89 / 96
+//   at 8192.
+// - the exceptions to that: RMSNorm of 16-bit rows beside a residual of their dtype keeps the
+//   staged forward from 4097 to 8192 columns (96.7 / 95.8; float16 95.6 / 94.8); 16-bit rows
+//   without a residual take 4 slices a thread from 1024 columns (70 / 80 at 1024, 77 / 91 at
+//   4096, 71 / 89 at 8192; LayerNorm 56 / 77), a float32 RMSNorm from 2048 (88 / 95 at 2048,
+//   96 / 97 at 8192; without a residual 76 / 92 at 8192, where 2 slices a thread gave 81).
+// - past 8192 16-bit columns while one stage holds the row, 16-bit rows beside a residual of
+//   their dtype, 4 slices a thread: LayerNorm 88 / 92 at 12288 columns, 85 / 92 at 16384,
+//   RMSNorm 94.4 / 95. Without a residual or beside a float32 stream the staged forward kept
+//   those (RMSNorm at 16384: 88 / 83, 90 / 88).
+// - past one stage, an RMSNorm of 16-bit rows beside a stream of their dtype up to 1024 threads
+//   of 4 slices (32768 columns), against a cluster of two: 93-95 / 91-93 at 32768, 92 / 83 at
+//   20000, 93 / 88 at 24576. Not for the others, one CTA an SM idling while it reduces: a
+//   LayerNorm's two reductions lost (80 / 84, bf16 at 32768), and so did float32 rows (96 / 97
+//   at 16384) and 16-bit ones beside a float32 stream (the registers spill).
+int plain_held_slices(const NormArgs& a, LeanDtypes d) {
   const int nslices = slices_of(a);
-  const bool plain = !a.layer_norm && Dtype(d.dt) != Dtype::F32 && d.rt == d.dt &&
-                     nslices <= K * kHeldMaxThreads;
-  const int cluster = plain ? 1 : int(ceil_div(nslices, K * kNormMaxThreads));
-  if (cluster > kMaxCluster || (!plain && !cluster_kernels_run(device))) return false;
+  const bool f32 = Dtype(d.dt) == Dtype::F32, same16 = !f32 && d.rt == d.dt;
+  const bool residual = a.residual.present();
+  if (!one_stage_fits(a, d))
+    return !a.layer_norm && same16 && nslices <= 4 * kHeldMaxThreads ? 4 : 0;
+  if (nslices > 2 * kNormMaxThreads)
+    return same16 && residual && nslices <= 4 * kNormMaxThreads ? 4 : 0;
+  if (same16 && !residual) return nslices >= 128 ? 4 : 2;
+  if (same16 && !a.layer_norm && nslices > 512) return 0;
+  if (f32 && !a.layer_norm && nslices >= 256) return 4;
+  return 2;
+}
+
+// The held forward's plan: one plain CTA of plain_held_slices a thread, else, for a segment
+// past one stage, the fewest clustered CTAs that hold it. Returns the slices a thread holds, or
+// 0 where the staged forward takes the call, or more than kMaxCluster CTAs would be needed, or
+// the device runs no clusters.
+int held_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
+  if (a.z.present()) return 0;
+  const int nslices = slices_of(a);
+  const int plain = plain_held_slices(a, d);
+  const int K = plain > 0 ? plain : held_slices(Dtype(d.dt));
+  const int cluster = plain > 0 ? 1 : int(ceil_div(nslices, K * kNormMaxThreads));
+  if (plain == 0 && (one_stage_fits(a, d) || cluster > kMaxCluster || !cluster_kernels_run(device)))
+    return 0;
   p = shape_plan(a, K, cluster);
-  // shape_plan stops at kNormMaxThreads; a plain CTA takes up to kHeldMaxThreads.
-  if (plain) p.threads = pow2_at_least(ceil_div(nslices, K));
+  // shape_plan stops at kNormMaxThreads; a plain CTA of 4 slices a thread takes up to
+  // kHeldMaxThreads.
+  if (plain > 0) p.threads = pow2_at_least(ceil_div(nslices, K));
   p.block = p.threads;
   p.vec = true;
   p.row_blocks = a.rows;
-  return p.row_blocks * a.ngroups * cluster <= INT_MAX;
+  return p.row_blocks * a.ngroups * cluster <= INT_MAX ? K : 0;
 }
 
 bool staged_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
@@ -349,10 +384,11 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
                        }),
                        "norm_fwd launch");
   }
-  if (lean.ok && held_plan(a, lean, device, p)) {
+  const int held = lean.ok ? held_plan(a, lean, device, p) : 0;
+  if (held > 0) {
     const int sms = std::max(1, multiprocessor_count(device));
     const cudaError_t err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
-      return launch_norm_fwd_held<decltype(dt)::value, decltype(rt)::value>(a, p, sms, s);
+      return launch_norm_fwd_held<decltype(dt)::value, decltype(rt)::value>(a, p, held, sms, s);
     });
     // Otherwise not one cluster fits on this device: the general kernels below.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");

@@ -185,8 +185,9 @@ __device__ __forceinline__ int64_t row_step(const NormArgs& a, const NormPlan& p
 
 // kDt: x, y and z; kRt: residual and residual_out (kDt too, or float32 beside 16-bit x). kGate:
 // z given (one dtype only; norm_before_gate decides once a row where silu(z) multiplies). One
-// slice a thread, for segments of up to kFastFwdSlices slices: longer ones go to the staged
-// forward (norm_staged.cuh), which these beat only up to about 256 columns.
+// slice a thread, for segments of up to kFastFwdSlices slices: longer ones go to the held or
+// the staged forward (norm_held.cuh, norm_staged.cuh), which these beat only up to about 256
+// columns.
 template <int kDt, int kRt, bool kGate>
 __global__ void __launch_bounds__(kNormMaxThreads) norm_fwd_fast_kernel(const NormArgs a,
                                                                         const NormPlan p) {

@@ -1,32 +1,34 @@
-// The held forward: the lean forward's calls without a gate whose segments pass one CTA's stage
-// (norm_staged.cuh), one CTA a segment or a thread-block cluster sharing it, each thread holding
-// its held_slices slices in registers from the load to the store. Against the staged clusters
-// there (one H200, bf16, % of copy): 92 against 86 at 32768 columns, 90 against 86-88 at 65536,
-// 84 against 70 for LayerNorm with a float32 residual stream at 32768. The stage's round trip
-// through shared memory (about 1 us a 128 KB row at 128 bytes a clock) and clusters three times
-// the size (6 CTAs at 32768 columns against 2) cost more than the CTAs an SM that registers
-// allow (two of 512 threads against six of 256) lose. A cluster launch costs too, even of one
-// CTA: the same 1024-thread CTA a row ran at 89-90% of copy launched as a cluster and at 95
-// launched plain (RMSNorm, bf16 with a bf16 residual, 32768 columns), so held_plan
-// (norm_cuda.cu) plans one plain CTA for the 16-bit RMSNorm rows one holds. Included only by the
-// instantiation files.
+// The held forward: the lean forward's calls without a gate past the register kernel's 32
+// slices, each thread holding its slices of x and the residual in registers from the load to
+// the store, one block a segment: a plain CTA where one holds it, else a thread-block cluster
+// sharing it. No shared memory round trip (the staged forward writes each row to its stage by
+// cp.async and reads it back two or three times, norm_staged.cuh) and fewer instructions: 155 M
+// against 213 M for LayerNorm with a float32 stream at 8192 columns. Where one CTA's stage
+// holds the row, the staged forward's three CTAs an SM beat the held one only beside the
+// largest rows (held_plan, norm_cuda.cu, says which). Past one stage: against the staged
+// clusters (one H200, bf16, % of copy) 92 against 86 at 32768 columns, 90 against 86-88 at
+// 65536, 84 against 70 for LayerNorm with a float32 residual stream at 32768: the stage's round
+// trip (about 1 us a 128 KB row at 128 bytes a clock) and clusters three times the size (6 CTAs
+// at 32768 columns against 2) cost more than the CTAs an SM that registers allow lose. A
+// cluster launch costs too, even of one CTA: the same 1024-thread CTA a row ran at 89-90% of
+// copy launched as a cluster and at 95 launched plain (RMSNorm, bf16 with a bf16 residual,
+// 32768 columns). Included only by the instantiation files.
 #pragma once
 
 #include "norm_fast.cuh"
 
 namespace ssm {
 
-// kDt, kRt as for norm_fwd_fast_kernel; kCluster: launched as clusters of p.cluster CTAs of up
-// to kNormMaxThreads threads (two an SM), else as plain CTAs of up to kHeldMaxThreads. Not
-// persistent: one block (cluster) a segment, so every row a block sees exists, and a new one
-// starts loading the moment one ends.
-template <int kDt, int kRt, bool kCluster>
-__global__ void __launch_bounds__(kCluster ? kNormMaxThreads : kHeldMaxThreads, kCluster ? 2 : 1)
+// kDt, kRt as for norm_fwd_fast_kernel; K slices a thread; blocks of up to kMaxThreads,
+// kMinBlocks of them an SM (what caps the registers); kCluster: launched as clusters of
+// p.cluster CTAs, else as plain CTAs. Not persistent: one block (cluster) a segment, so every
+// row a block sees exists, and a new one starts loading the moment one ends.
+template <int kDt, int kRt, int K, int kMaxThreads, int kMinBlocks, bool kCluster>
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     norm_fwd_held_kernel(const NormArgs a, const NormPlan p) {
   using namespace norm_detail;
   constexpr Dtype D = Dtype(kDt), R = Dtype(kRt);
-  constexpr int K = held_slices(D);
-  __shared__ float red[2][(kCluster ? kNormMaxThreads : kHeldMaxThreads) / 32];
+  __shared__ float red[2][kMaxThreads / 32];
   __shared__ ClusterInbox<1> inbox[kCluster ? 2 : 1];  // one a reduction
   if (kCluster) cluster_inbox_init(inbox);
   const Place at(a, p, kCluster);
@@ -48,7 +50,7 @@ __global__ void __launch_bounds__(kCluster ? kNormMaxThreads : kHeldMaxThreads, 
   if (kCluster) cluster_inbox_ready();
   auto row_sum = [&](float v, int i) {
     float q[1] = {v};
-    segment_sum<1, kCluster ? kNormMaxThreads : kHeldMaxThreads>(q, T, red[i], true);
+    segment_sum<1, kMaxThreads>(q, T, red[i], true);
     if constexpr (kCluster)
       cluster_push_sum(q, inbox[i], p.cluster, int(blockIdx.x % p.cluster), 0);
     return q[0];
@@ -103,14 +105,24 @@ __global__ void __launch_bounds__(kCluster ? kNormMaxThreads : kHeldMaxThreads, 
 }
 
 template <int kDt, int kRt>
-cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
-  // held_plan plans plain CTAs for 16-bit rows beside a stream of their dtype only.
-  if constexpr (kDt == kRt && Dtype(kDt) != Dtype::F32) {
-    if (p.cluster == 1)
-      return launch_rows<false>(norm_fwd_held_kernel<kDt, kRt, false>, a, p, sms, stream, 0,
-                                false);
+cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int sms,
+                                 cudaStream_t stream) {
+  constexpr bool kSame16 = kDt == kRt && Dtype(kDt) != Dtype::F32;
+  if (p.cluster > 1)
+    return launch_rows<true>(
+        norm_fwd_held_kernel<kDt, kRt, held_slices(Dtype(kDt)), kNormMaxThreads, 2, true>, a, p,
+        sms, stream, 0, false);
+  if (slices == 2)
+    return launch_rows<false>(
+        norm_fwd_held_kernel<kDt, kRt, 2, kNormMaxThreads, held_narrow_blocks(kSame16), false>,
+        a, p, sms, stream, 0, false);
+  if constexpr (kDt == kRt) {
+    if (slices == 4)
+      return launch_rows<false>(
+          norm_fwd_held_kernel<kDt, kRt, 4, held_wide_threads(Dtype(kDt)), 1, false>, a, p, sms,
+          stream, 0, false);
   }
-  return launch_rows<true>(norm_fwd_held_kernel<kDt, kRt, true>, a, p, sms, stream, 0, false);
+  return cudaErrorInvalidConfiguration;  // held_plan plans none of these
 }
 
 }  // namespace ssm

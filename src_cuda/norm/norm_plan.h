@@ -96,19 +96,38 @@ constexpr int kStagedSlices = 4;
 template <int kDt, int kRt, bool kCluster>
 cudaError_t launch_norm_fwd_staged(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
-// The held forward (norm_held.cuh): the lean forward's calls without a gate whose segments pass
-// one stage (norm_cuda.cu), each thread holding held_slices(x's dtype) slices in registers, one
-// block a row: with p.cluster == 1 one plain CTA of up to kHeldMaxThreads threads (one an SM),
-// else a thread-block cluster of p.cluster CTAs of up to kNormMaxThreads threads (two an SM,
-// p.cta_slices each; sm_90 and later). 64 bytes of x a thread: eight 16-bit slices held 100-106
-// registers, one 512-thread CTA an SM, and ran at 84% of copy against 92 with four at 32768
-// columns (one H200, bf16 with a bf16 residual); four float32 slices spilled 172 bytes at 64
-// registers. With p.cluster > 1 it returns cudaErrorInvalidClusterSize, launching nothing, when
-// not one cluster fits on the device.
+// The held forward (norm_held.cuh): the lean forward's calls without a gate past
+// kFastFwdSlices slices that held_plan (norm_cuda.cu) gives it, each thread holding `slices`
+// slices in registers, one block a segment, in one of three shapes:
+// - clusters of p.cluster > 1 CTAs of up to kNormMaxThreads threads, held_slices(x's dtype)
+//   slices a thread, two CTAs an SM, p.cta_slices slices each (sm_90 and later; it returns
+//   cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the device).
+//   64 bytes of x a thread: eight 16-bit slices held 100-106 registers, one 512-thread CTA an
+//   SM, and ran at 84% of copy against 92 with four at 32768 columns (one H200, bf16 with a bf16
+//   residual); four float32 slices spilled 172 bytes at 64 registers.
+// - one plain CTA of up to held_wide_threads threads, 4 slices a thread, rows beside a stream
+//   of their dtype or none: 16-bit ones up to kHeldMaxThreads in 60 registers (one CTA of 1024
+//   threads an SM, two of 512, four of 256), float32 ones up to 256 threads in 88 (two CTAs an
+//   SM; held to one 1024-thread CTA they would spill).
+// - one plain CTA of up to kNormMaxThreads threads, 2 slices a thread, held_narrow_blocks of
+//   them an SM: three for 16-bit rows beside a stream of their dtype (40 registers), else as
+//   many as 2 * kNormMaxThreads threads allow (48 registers for 16-bit x beside a float32
+//   stream, 56 for float32: two CTAs an SM). Held to three CTAs those spilled 16-32 bytes and
+//   lost (one H200, % of copy, 8192 columns): 92 against 97 for LayerNorm, bf16 beside a float32
+//   stream; 81 against 96 for RMSNorm in float32. Unheld, the 16-bit rows beside their own dtype
+//   took 42 registers, two CTAs an SM, and lost 88 against 96 (LayerNorm, 8192).
+// `slices` is the launcher's argument, not the plan's: a field more in NormPlan, which every
+// norm kernel takes, changed the registers of kernels that never read it (40 -> 52 for a staged
+// cluster).
 __host__ __device__ constexpr int held_slices(Dtype x) { return x == Dtype::F32 ? 2 : 4; }
+__host__ __device__ constexpr int held_narrow_blocks(bool same_16bit) { return same_16bit ? 3 : 1; }
 constexpr int kHeldMaxThreads = 1024;
+__host__ __device__ constexpr int held_wide_threads(Dtype x) {
+  return x == Dtype::F32 ? 256 : kHeldMaxThreads;
+}
 template <int kDt, int kRt>
-cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
+cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int sms,
+                                 cudaStream_t stream);
 
 // Bytes of one 8-column slice of dtype d.
 __host__ __device__ constexpr int slice_bytes(Dtype d) { return d == Dtype::F32 ? 32 : 16; }

@@ -1,6 +1,7 @@
-// The staged forward: the lean forward's calls (norm_fast.cuh) for segments past 256 columns,
-// with each CTA's share of its rows copied global -> shared memory by cp.async (sm_80 and later)
-// instead of through registers. The register kernels keep at most one row a thread in flight
+// The staged forward: the lean forward's calls (norm_fast.cuh) for segments past 256 columns
+// that the held forward (norm_held.cuh) leaves, those with a gate among them, with each CTA's
+// share of its rows copied global -> shared memory by cp.async (sm_80 and later) instead of
+// through registers. The general register kernels keep at most one row a thread in flight
 // (the next, loaded while this one is reduced) and use 116-128 registers at these lengths: one
 // or two CTAs an SM, and the clusters past 8192 columns ran at 61-75% of copy. Here a CTA issues
 // every load of its share at once, holds none of it in registers (40-49 of them, three CTAs an
