@@ -4,8 +4,8 @@
 // sharing it. No shared memory round trip (the staged forward writes each row to its stage by
 // cp.async and reads it back two or three times, norm_staged.cuh) and fewer instructions: 155 M
 // against 213 M for LayerNorm with a float32 stream at 8192 columns. Where one CTA's stage
-// holds the row, the staged forward's three CTAs an SM beat the held one only beside the
-// largest rows (held_plan, norm_cuda.cu, says which). Past one stage: against the staged
+// holds the row, the staged forward's three CTAs an SM beat the held one on a few rows only
+// (plain_held_slices, norm_cuda.cu, lists them). Past one stage: against the staged
 // clusters (one H200, bf16, % of copy) 92 against 86 at 32768 columns, 90 against 86-88 at
 // 65536, 84 against 70 for LayerNorm with a float32 residual stream at 32768: the stage's round
 // trip (about 1 us a 128 KB row at 128 bytes a clock) and clusters three times the size (6 CTAs
