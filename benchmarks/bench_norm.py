@@ -16,6 +16,8 @@ Rows:
          residual_in_fp32 after the first block), fp32 weight and bias.
 - gated: Mamba-2's gated RMSNorm y = rmsnorm(x * silu(z)) * weight (norm_before_gate=False),
          per group of group_size columns, bf16 x and z, fp32 weight, no residual.
+- rms-plain, layer-plain: the norm alone, as torch.nn.RMSNorm / LayerNorm call it: bf16 x, no
+         residual, fp32 weight (and bias for LayerNorm).
 
 Bytes counted:
 - forward: read x, residual, z, weight, bias; write y, residual_out. The mean/rstd statistics
@@ -83,11 +85,14 @@ RMS_HIDDEN = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 ALL_ROWS = ([("rms", h, None) for h in RMS_HIDDEN]
             + [("layer", 2048, None), ("layer", 8192, None)]
             # Mamba-2 with ngroups=1 (d_inner 4096 at d_model 2048) and ngroups=8 (d_inner 8192)
-            + [("gated", 4096, None), ("gated", 8192, 1024)])
+            + [("gated", 4096, None), ("gated", 8192, 1024)]
+            + [("rms-plain", 8192, None), ("layer-plain", 8192, None),
+               ("layer-plain", 16384, None)])
 # PERFORMANCE.md's three RMSNorm rows, for a side-by-side look, and one of each other kind
 QUICK_ROWS = [("rms", 1024, None), ("rms", 4096, None), ("rms", 8192, None),
               ("layer", 8192, None), ("gated", 8192, 1024)]
-DRY_ROWS = [("rms", 256, None), ("layer", 512, None), ("gated", 512, 128)]
+DRY_ROWS = [("rms", 256, None), ("layer", 512, None), ("gated", 512, 128),
+            ("rms-plain", 256, None), ("layer-plain", 512, None)]
 TOL = 2e-2  # bf16 outputs: the eager reference rounds x + residual to bf16 before the norm
 COPY_BYTES = 2**29  # 512 MiB each way: far past any L2, so the copy runs at DRAM speed
 
@@ -143,14 +148,17 @@ def load_mamba():
 
 def make_row(kind, hidden, group_size, max_elements):
     rows = max(1, min(32768, max_elements // hidden))
-    row = dict(kind=kind, hidden=hidden, rows=rows, group_size=group_size,
-               x_dtype=torch.bfloat16, res_dtype=None, z=False, bias=False, prenorm=False,
-               eps=1e-6)
+    # norm: which normalisation (rms, layer or gated) the row's kind times
+    row = dict(kind=kind, norm=kind.split("-")[0], hidden=hidden, rows=rows,
+               group_size=group_size, x_dtype=torch.bfloat16, res_dtype=None, z=False,
+               bias=False, prenorm=False, eps=1e-6)
     if kind == "rms":
         row.update(res_dtype=torch.bfloat16, prenorm=True)
     elif kind == "layer":
         row.update(res_dtype=torch.float32, prenorm=True, bias=True, eps=1e-5)
-    else:  # gated, as Mamba-2's RMSNormGated: no residual, gate applied before the norm
+    elif kind == "layer-plain":
+        row.update(bias=True, eps=1e-5)
+    elif kind == "gated":  # as Mamba-2's RMSNormGated: no residual, gate applied before the norm
         row.update(z=True, eps=1e-5)
     return row
 
@@ -193,7 +201,7 @@ def nbytes(row):
     es = er or ex  # s: the residual stream when there is one, else x
     ez = ex if row["z"] else 0
     wb = 4 * h * (2 if row["bias"] else 1)  # fp32 weight (+ bias) or their gradients
-    stats = 4 * n * ngroups * (2 if row["kind"] == "layer" else 1)
+    stats = 4 * n * ngroups * (2 if row["norm"] == "layer" else 1)
     fwd = n * h * (ex + er + ez + ex + (er if row["prenorm"] else 0)) + wb
     dres_in = er if row["res_dtype"] not in (None, row["x_dtype"]) else 0
     bwd = (n * h * (es + ex + (er if row["prenorm"] else 0) + ez)  # read s, dy, dres_out, z
@@ -234,7 +242,7 @@ def reference(x, residual, z, weight, bias, *, kind, eps, group_size, norm_befor
 
 def make_impl(impl, row, mamba_ln, mamba_gated):
     """-> callable(x, residual, z, weight, bias) -> outputs, or raise why it is unavailable."""
-    kind, eps, gs, prenorm = row["kind"], row["eps"], row["group_size"], row["prenorm"]
+    kind, eps, gs, prenorm = row["norm"], row["eps"], row["group_size"], row["prenorm"]
     if impl in ("eager", "compile"):
         def fn(x, residual, z, weight, bias):
             return reference(x, residual, z, weight, bias, kind=kind, eps=eps, group_size=gs,
@@ -270,7 +278,8 @@ def make_impl(impl, row, mamba_ln, mamba_gated):
 
         def fn(x, residual, z, weight, bias):
             # the residual's dtype sets residual_out's (fp32 for the layer rows)
-            return tuple(op(x, weight, bias, residual=residual, eps=eps, prenorm=True))
+            out = op(x, weight, bias, residual=residual, eps=eps, prenorm=prenorm)
+            return tuple(out) if prenorm else (out,)
         return fn
     raise ValueError(impl)
 
@@ -401,7 +410,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=20, help="timed calls per measurement (median)")
     ap.add_argument("--rows", choices=["all", "quick"], default="all")
-    ap.add_argument("--kind", choices=["rms", "layer", "gated", "all"], default="all")
+    ap.add_argument("--kind", choices=["rms", "layer", "gated", "rms-plain", "layer-plain", "all"],
+                    default="all")
     ap.add_argument("--hidden", default="",
                     help="comma-separated hidden sizes: only the rows of those (default: all)")
     ap.add_argument("--impls", default=",".join(IMPLS),
@@ -545,8 +555,9 @@ def main():
     for row in rows:
         fwd, bwd = cells(row, "fwd"), cells(row, "bwd")
         kind = row["kind"] + (f" g{row['group_size']}" if row["group_size"] else "")
+        gate = " (z " + dname(row["x_dtype"]) + ")" if row["z"] else ""
         dt = dname(row["x_dtype"]) + " / " + (dname(row["res_dtype"]) if row["res_dtype"]
-                                             else "- (z " + dname(row["x_dtype"]) + ")")
+                                             else "-" + gate)
         print("| " + " | ".join([kind, str(row["hidden"]), str(row["rows"]), dt]
                                 + fwd[0] + bwd[0] + [targets(row, fwd, bwd)]) + " |")
     problems = [r for r in results if r["check"] or r["error"]]
