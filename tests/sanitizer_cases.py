@@ -89,10 +89,11 @@ NORM_CASES = [
     # The held forward in one plain 1024-thread CTA: the last lanes idle, then every lane full.
     (5, 24584, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     (3, 32768, 0, "rms", torch.float16, torch.float16, False, True, 0, torch.float16),
-    # The held forward in one plain CTA within a stage: 2 slices a thread, a 512-thread CTA beside
-    # a float32 stream and a float32 LayerNorm, every lane full; 257 slices, one lane holding a
-    # second (16-bit) or a fourth (float32 RMSNorm); 4 slices a thread without a residual, and
-    # in 512 16-bit threads at 1537 slices; 65 slices in 64 threads.
+    # The held forward in one plain CTA within a stage: 2 slices a thread, a 512-thread CTA
+    # beside a float32 stream and a float32 LayerNorm, every lane full; 257 slices, one lane
+    # holding a second (16-bit) or a third (float32 RMSNorm, 4 a thread in 128 threads); 4
+    # slices a thread without a residual, and in 512 16-bit threads at 1537 slices; 65 slices
+    # in 64 threads.
     (9, 8192, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
     (3, 8192, 0, "layer", torch.float32, torch.float32, False, True, 0, torch.float32),
     (5, 2056, 0, "rms", torch.float16, torch.float32, False, True, 0, torch.float16),
