@@ -327,18 +327,24 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
   constexpr int K = kFastBwdSlices;
   constexpr int M = kFull ? 2 : 1;  // sums a row needs: w dy xhat (and w dy)
   constexpr Dtype D = Dtype(kDt), R = Dtype(kRt);
-  // With kFull or a gate the weight is read again (from L1) for each slice at every row instead
-  // of staying in registers for the whole walk: their extra terms would otherwise spill.
+  // With kFull or a gate the scale is read again for each slice at every row instead of staying
+  // in registers for the whole walk (their extra terms would otherwise spill), from the copy
+  // each thread keeps of its own in shared memory (bwd_stash_bytes, norm_plan.h).
   constexpr bool kReloadWeight = kFull || kGate != kNoGate;
   __shared__ float red[2][kNormMaxThreads / 32 * M];
   __shared__ ClusterInbox<M> inbox[kCluster ? 2 : 1];
-  // kGateFirst: silu(z) and s silu'(z) of each of the thread's elements, made before the row's
-  // reduction for the terms after it (dynamic, bwd_gate_stash_bytes). Recomputing them there
-  // read s and z again and took a second sigmoid: 989 instructions a thread and row (16
-  // elements); keeping them in registers spilled.
-  extern __shared__ float4 gate_stash[];
+  // Dynamic: the scale of the thread's slices with kReloadWeight, then with kGateFirst silu(z)
+  // and s silu'(z) of each of its elements, made before the row's reduction for the terms after
+  // it. Recomputing those there read s and z again and took a second sigmoid: 989 instructions
+  // a thread and row (16 elements); keeping them in registers spilled. A thread reads only what
+  // it wrote: no barrier.
+  extern __shared__ float4 stash_base[];
+  constexpr int kScaleQuads = kReloadWeight ? K * 2 : 0;
+  auto scale_quad = [&](int k, int half) -> float4& {
+    return stash_base[(k * 2 + half) * blockDim.x + threadIdx.x];
+  };
   auto stash = [&](int k, int term, int half) -> float4& {
-    return gate_stash[((k * 2 + term) * 2 + half) * blockDim.x + threadIdx.x];
+    return stash_base[(kScaleQuads + (k * 2 + term) * 2 + half) * blockDim.x + threadIdx.x];
   };
   if (kCluster) cluster_inbox_init(inbox);
   const Place at(a, p, kCluster);
@@ -352,6 +358,14 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
   Slice w[K], dw[K] = {}, db[K] = {};
   thread_columns(p, at, valid, col);
   if (!kReloadWeight) column_scale(a, valid, col, w);
+  if (kReloadWeight) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      slice_scale(a, valid[k], col[k], w[0]);
+      scale_quad(k, 0) = make_float4(w[0][0], w[0][1], w[0][2], w[0][3]);
+      scale_quad(k, 1) = make_float4(w[0][4], w[0][5], w[0][6], w[0][7]);
+    }
+  }
 
   // Row r's x, dy, z (packed) and statistics, loaded a row ahead; zeros past the last row.
   // dresidual_out is loaded at the start of its own row instead, in flight through the row's
@@ -410,7 +424,11 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       Slice& ws = w[kReloadWeight ? 0 : k];
-      if (kReloadWeight) slice_scale(a, valid[k], col[k], ws);
+      if (kReloadWeight) {
+        const float4 lo = scale_quad(k, 0), hi = scale_quad(k, 1);
+        ws[0] = lo.x, ws[1] = lo.y, ws[2] = lo.z, ws[3] = lo.w;
+        ws[4] = hi.x, ws[5] = hi.y, ws[6] = hi.z, ws[7] = hi.w;
+      }
       widen_slice(R, true, xhat[k]);
       widen_slice(D, true, dye[k]);
       if (kGate != kNoGate) widen_slice(D, true, gate[k]);
@@ -566,7 +584,7 @@ cudaError_t launch_norm_bwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaSt
       kernel = full ? norm_bwd_fast_kernel<kDt, kRt, true, kGateFirst, kCluster>
                     : norm_bwd_fast_kernel<kDt, kRt, false, kGateFirst, kCluster>;
   }
-  const size_t smem = a.z.present() && !a.norm_before_gate ? bwd_gate_stash_bytes(p) : 0;
+  const size_t smem = bwd_stash_bytes(a, p);
   // Without a cluster the fused plan (norm_cuda.cu) has already sized the persistent grid.
   return launch_rows<kCluster>(kernel, a, p, sms, stream, smem, kCluster);
 }
