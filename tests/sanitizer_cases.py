@@ -102,6 +102,13 @@ NORM_CASES = [
     (5, 8192, 0, "rms", torch.float32, torch.float32, False, True, 0, None),
     (3, 12296, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, torch.bfloat16),
     (33, 520, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
+    # The plain forward (16-bit rows without a residual): 4 slices a thread, one warp a row,
+    # 129 slices in 64 threads (one lane holding a third), an RMSNorm in 512 threads every lane
+    # full; a LayerNorm's 8 slices a thread, 1030 slices in 256 threads (six lanes a fifth).
+    (4, 1024, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, None),
+    (5, 1032, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
+    (3, 16384, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
+    (5, 8240, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     # The staged forward without a gate: an RMSNorm of 16-bit rows beside their dtype, 769 slices.
     (5, 6152, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     # The staged forward with a gate on groups of 33 slices (16 threads a segment).

@@ -60,7 +60,22 @@ HELD_ROWS = (
     BASE.replace(hidden=12296, lead=(3,), residual=True, prenorm=True),
     BASE.replace(hidden=6152, lead=(5,), residual=True),
 )
-AWKWARD_ROWS = CLUSTER_ROWS + HELD_ROWS + (
+# The plain forward (norm_plain.cuh) takes 16-bit rows without a residual or a gate
+# (test_plain_rows): 4 slices a thread at 1024 columns (one warp), 1040 (130 slices in 64
+# threads, two lanes holding a third), for a zero-centred LayerNorm at 4096 and an RMSNorm
+# without a bias at 2056 (257 slices, one lane holding a third); a LayerNorm from 8192 columns
+# takes 8: 128 threads every lane full, 8240 (1030 slices in 256 threads, six lanes holding a
+# fifth) and 16384. These rows run every dtype in the other tests too.
+PLAIN_ROWS = (
+    LAYER.replace(hidden=1024, lead=(3,)),
+    LAYER.replace(hidden=1040, lead=(13,)),
+    LAYER.replace(hidden=4096, zero_centered_weight=True, lead=(6,)),
+    BASE.replace(hidden=2056, lead=(5,)),
+    LAYER.replace(hidden=8192, lead=(4,)),
+    LAYER.replace(hidden=8240, lead=(5,)),
+    LAYER.replace(hidden=16384, lead=(3,)),
+)
+AWKWARD_ROWS = CLUSTER_ROWS + HELD_ROWS + PLAIN_ROWS + (
     GATED.replace(hidden=1, group_size=0, lead=(5000,)),
     LAYER.replace(hidden=7, residual=True, z=True, lead=(1000,)),
     GATED.replace(hidden=4097, group_size=241, lead=(33,)),
@@ -132,6 +147,18 @@ def test_backward(case, dtype, seed):
     inputs = make_norm_inputs(case, dtype, seed, device="cuda")
     dy, dres = make_norm_cotangents(case, dtype, seed, device="cuda")
     backward_on_gpu_and_cpu(case, inputs, dy, dres)
+
+
+@pytest.mark.parametrize("case", PLAIN_ROWS, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("weight", ["float32", "bfloat16"])
+def test_plain_rows(case, dtype, weight, seed):
+    # The plain forward reads the weight and bias in float32 or in x's dtype (a bfloat16 weight
+    # beside float16 x takes the held forward instead).
+    wdtype = getattr(torch, weight)
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda",
+                              dtypes={"weight": wdtype, "bias": wdtype})
+    forward_on_gpu_and_cpu(case, inputs)
 
 
 @pytest.mark.parametrize("case", [BASE, GATED, LAYER.replace(residual=True, prenorm=True)],
@@ -214,6 +241,7 @@ def test_c_every_dtype_independent(seed):
 
 @pytest.mark.parametrize("case", [GATED, LAYER.replace(residual=True, z=True, lead=(2, 3, 4)),
                                   BASE.replace(hidden=4096, residual=True, lead=(17,)),
+                                  LAYER.replace(hidden=2048, lead=(17,)),
                                   BASE.replace(hidden=20000, z=True, lead=(3,))], ids=case_id)
 @pytest.mark.parametrize("pad, offset", [(8, 8), (5, 3), (1, 1)],
                          ids=["aligned", "odd", "one"])

@@ -68,6 +68,11 @@ def main():
               ["template cudaError_t launch_norm_fwd_held<%d, %d>(const NormArgs&, NormPlan&,"
                " int, int, cudaStream_t);" % (dt, rt)],
               header="norm_held.cuh")
+        if dt == rt and DTYPES[dt] != "f32":
+            write("norm_fwd_plain_%s.cu" % tag, "the plain fused-norm forward, %s." % rows,
+                  ["template cudaError_t launch_norm_fwd_plain<%d>(const NormArgs&,"
+                   " const NormPlan&, int, cudaStream_t);" % dt],
+                  header="norm_plain.cuh")
         for cluster in CLUSTERED:
             for stem, what, launcher, header in CLUSTERED_LAUNCHERS:
                 write("%s%s_%s.cu" % (stem, "_cluster" if cluster else "", tag),

@@ -335,6 +335,26 @@ int held_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   return p.row_blocks * a.ngroups * cluster <= INT_MAX ? K : 0;
 }
 
+// The plain forward's plan (norm_plan.h): the slices a thread holds, or 0 where the call is not
+// one it takes.
+int plain_plan(const NormArgs& a, LeanDtypes d, NormPlan& p) {
+  const Dtype dt = Dtype(d.dt);
+  const int nslices = slices_of(a);
+  const bool weight_ok = a.weight.present() &&
+                         (a.weight.dtype == Dtype::F32 || a.weight.dtype == dt) &&
+                         (!a.bias.present() || a.bias.dtype == a.weight.dtype);
+  if (dt == Dtype::F32 || d.rt != d.dt || a.residual.present() || a.residual_out.present() ||
+      a.z.present() || a.ngroups != 1 || !weight_ok || nslices < 128 ||
+      nslices > 4 * kNormMaxThreads || a.rows > INT_MAX)
+    return 0;
+  const int K = plain_slices(a.layer_norm, nslices);
+  p = shape_plan(a, K);
+  p.block = p.threads;
+  p.vec = true;
+  p.row_blocks = a.rows;
+  return K;
+}
+
 bool staged_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   const int nslices = slices_of(a);
   const int64_t per_slice = staged_slice_bytes(a, Dtype(d.dt), Dtype(d.rt));
@@ -383,6 +403,13 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
                              a, p, sms, s);
                        }),
                        "norm_fwd launch");
+  }
+  const int plain = lean.ok ? plain_plan(a, lean, p) : 0;
+  if (plain > 0) {
+    const cudaError_t err = Dtype(lean.dt) == Dtype::F16
+                                ? launch_norm_fwd_plain<int(Dtype::F16)>(a, p, plain, s)
+                                : launch_norm_fwd_plain<int(Dtype::BF16)>(a, p, plain, s);
+    return cuda_status(err, "norm_fwd launch");
   }
   const int held = lean.ok ? held_plan(a, lean, device, p) : 0;
   if (held > 0) {

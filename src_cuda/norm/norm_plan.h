@@ -142,6 +142,25 @@ template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int sms,
                                  cudaStream_t stream);
 
+// The plain forward (norm_plain.cuh): whole rows of 16-bit x without a residual or a gate,
+// from 128 to 2048 slices (1024 to 16384 columns), weight given in float32 or x's dtype, bias
+// (if any) in the weight's. One block a row of p.threads threads, `slices` a thread (the
+// launcher's argument, as for the held forward):
+// - 4 (RMSNorm, and LayerNorm below 1024 slices), in up to kPlainNarrowThreads threads four
+//   blocks an SM (64 registers), beyond that in up to 512 threads two blocks an SM;
+// - 8 (LayerNorm from 1024 slices), in 128 threads six blocks an SM or 256 threads three (80
+//   registers): more rows in flight an SM, one reduction round a row for more elements. One
+//   H200, % of copy, direct timing, 4 slices a thread against 8: LayerNorm 85-86 / 87-92 at 8192
+//   columns, 74 / 80-84 at 12288, 81 / 81-83 at 16384; but 80 / 60 at 1024, and RMSNorm 94 /
+//   88-91 at 8192.
+constexpr int kPlainNarrowThreads = 256;
+inline int plain_slices(bool layer_norm, int nslices) {
+  return layer_norm && nslices >= 1024 ? 8 : 4;
+}
+template <int kDt>
+cudaError_t launch_norm_fwd_plain(const NormArgs& a, const NormPlan& p, int slices,
+                                  cudaStream_t stream);
+
 // Bytes of one 8-column slice of dtype d.
 __host__ __device__ constexpr int slice_bytes(Dtype d) { return d == Dtype::F32 ? 32 : 16; }
 
