@@ -71,7 +71,7 @@ def main():
         if dt == rt and DTYPES[dt] != "f32":
             write("norm_fwd_plain_%s.cu" % tag, "the plain fused-norm forward, %s." % rows,
                   ["template cudaError_t launch_norm_fwd_plain<%d>(const NormArgs&,"
-                   " const NormPlan&, int, cudaStream_t);" % dt],
+                   " const NormPlan&, int, int, cudaStream_t);" % dt],
                   header="norm_plain.cuh")
         for cluster in CLUSTERED:
             for stem, what, launcher, header in CLUSTERED_LAUNCHERS:

@@ -406,9 +406,10 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   }
   const int plain = lean.ok ? plain_plan(a, lean, p) : 0;
   if (plain > 0) {
+    const int sms = std::max(1, multiprocessor_count(device));
     const cudaError_t err = Dtype(lean.dt) == Dtype::F16
-                                ? launch_norm_fwd_plain<int(Dtype::F16)>(a, p, plain, s)
-                                : launch_norm_fwd_plain<int(Dtype::BF16)>(a, p, plain, s);
+                                ? launch_norm_fwd_plain<int(Dtype::F16)>(a, p, plain, sms, s)
+                                : launch_norm_fwd_plain<int(Dtype::BF16)>(a, p, plain, sms, s);
     return cuda_status(err, "norm_fwd launch");
   }
   const int held = lean.ok ? held_plan(a, lean, device, p) : 0;

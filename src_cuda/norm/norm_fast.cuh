@@ -22,6 +22,12 @@ namespace ssm {
 
 namespace norm_detail {
 
+// Fetches `bytes` (a multiple of 16, from a 16-byte aligned address) into L2 without waiting
+// (sm_90; the uniform datapath issues it, so one thread a warp).
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // A thread's K slices (lane + k * threads of its block's share): whether each lies in the row
 // and its first column.
 template <int K>
@@ -328,18 +334,20 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
   constexpr int M = kFull ? 2 : 1;  // sums a row needs: w dy xhat (and w dy)
   constexpr Dtype D = Dtype(kDt), R = Dtype(kRt);
   // With kFull or a gate the scale is read again for each slice at every row instead of staying
-  // in registers for the whole walk (their extra terms would otherwise spill), from the copy
-  // each thread keeps of its own in shared memory (bwd_stash_bytes, norm_plan.h).
+  // in registers for the whole walk (their extra terms would otherwise spill): beside a stream
+  // of x's dtype from the copy each thread keeps of its own in shared memory, beside a float32
+  // stream from global memory (bwd_stashes_scale, norm_plan.h).
   constexpr bool kReloadWeight = kFull || kGate != kNoGate;
+  constexpr bool kStashScale = kReloadWeight && kDt == kRt;
   __shared__ float red[2][kNormMaxThreads / 32 * M];
   __shared__ ClusterInbox<M> inbox[kCluster ? 2 : 1];
-  // Dynamic: the scale of the thread's slices with kReloadWeight, then with kGateFirst silu(z)
+  // Dynamic: the scale of the thread's slices with kStashScale, then with kGateFirst silu(z)
   // and s silu'(z) of each of its elements, made before the row's reduction for the terms after
   // it. Recomputing those there read s and z again and took a second sigmoid: 989 instructions
   // a thread and row (16 elements); keeping them in registers spilled. A thread reads only what
   // it wrote: no barrier.
   extern __shared__ float4 stash_base[];
-  constexpr int kScaleQuads = kReloadWeight ? K * 2 : 0;
+  constexpr int kScaleQuads = kStashScale ? K * 2 : 0;
   auto scale_quad = [&](int k, int half) -> float4& {
     return stash_base[(k * 2 + half) * blockDim.x + threadIdx.x];
   };
@@ -358,7 +366,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
   Slice w[K], dw[K] = {}, db[K] = {};
   thread_columns(p, at, valid, col);
   if (!kReloadWeight) column_scale(a, valid, col, w);
-  if (kReloadWeight) {
+  if (kStashScale) {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       slice_scale(a, valid[k], col[k], w[0]);
@@ -410,6 +418,21 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
     const float mean = mean_next, rstd = rstd_next;
     const bool row_ok = r < a.rows;
     fetch(r + step);
+    // Rows without a residual stream are light (6 bytes an element in bf16): the one row a CTA
+    // keeps in flight in registers does not cover the memory's latency, so the row after next
+    // is also fetched into L2 (one bulk prefetch of x and of dy a segment). Gated rows lost with
+    // it, and so did the clusters.
+    if (kGate == kNoGate && !kCluster && !dres_in && T >= 32 && at.lane == 0 &&
+        r + 2 * step < a.rows) {
+      const int64_t ahead = r + 2 * step;
+      const unsigned n = unsigned(at.limit);
+      prefetch_l2_bulk(static_cast<const char*>(a.x.data) +
+                           (ahead * a.x.stride[0] + at.col0) * (slice_bytes(R) / kSlice),
+                       n * slice_bytes(R));
+      prefetch_l2_bulk(static_cast<const char*>(a.dy.data) +
+                           (ahead * a.dy.stride[0] + at.col0) * (slice_bytes(D) / kSlice),
+                       n * slice_bytes(D));
+    }
     auto fetch_dres = [&] {
 #pragma unroll
       for (int k = 0; k < K; ++k) {
@@ -424,10 +447,12 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       Slice& ws = w[kReloadWeight ? 0 : k];
-      if (kReloadWeight) {
+      if (kStashScale) {
         const float4 lo = scale_quad(k, 0), hi = scale_quad(k, 1);
         ws[0] = lo.x, ws[1] = lo.y, ws[2] = lo.z, ws[3] = lo.w;
         ws[4] = hi.x, ws[5] = hi.y, ws[6] = hi.z, ws[7] = hi.w;
+      } else if (kReloadWeight) {
+        slice_scale(a, valid[k], col[k], ws);
       }
       widen_slice(R, true, xhat[k]);
       widen_slice(D, true, dye[k]);
@@ -584,7 +609,7 @@ cudaError_t launch_norm_bwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaSt
       kernel = full ? norm_bwd_fast_kernel<kDt, kRt, true, kGateFirst, kCluster>
                     : norm_bwd_fast_kernel<kDt, kRt, false, kGateFirst, kCluster>;
   }
-  const size_t smem = bwd_stash_bytes(a, p);
+  const size_t smem = bwd_stash_bytes(a, p, kDt == kRt);
   // Without a cluster the fused plan (norm_cuda.cu) has already sized the persistent grid.
   return launch_rows<kCluster>(kernel, a, p, sms, stream, smem, kCluster);
 }

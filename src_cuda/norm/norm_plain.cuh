@@ -21,7 +21,7 @@ namespace ssm {
 
 // One row of norm_fwd_plain_kernel with the weight (and bias) in dtype W.
 template <Dtype D, Dtype W, bool kLayer, int K, int kMaxThreads>
-__device__ __forceinline__ void plain_row(const NormArgs& a, const NormPlan& p,
+__device__ __forceinline__ void plain_row(const NormArgs& a, const NormPlan& p, int ahead,
                                           float (&red)[2][kMaxThreads / 32]) {
   using namespace norm_detail;
   const int T = p.threads, lane = threadIdx.x, n = p.nslices;
@@ -38,6 +38,9 @@ __device__ __forceinline__ void plain_row(const NormArgs& a, const NormPlan& p,
     const int v = lane + k * T;
     xs[k] = v < n ? x[v] : make_uint4(0, 0, 0, 0);
   }
+  if (ahead > 0 && lane == 0 && r + ahead < a.rows)
+    prefetch_l2_bulk(static_cast<const uint16_t*>(a.x.data) + (r + ahead) * a.x.stride[0],
+                     unsigned(n) * 16);
   Slice ws[2], bs[2];
   auto fetch_pair = [&](int k0) {
 #pragma unroll
@@ -113,27 +116,31 @@ __device__ __forceinline__ void plain_row(const NormArgs& a, const NormPlan& p,
 // kMaxThreads, kMinBlocks of them an SM.
 template <int kDt, bool kLayer, int K, int kMaxThreads, int kMinBlocks>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
-    norm_fwd_plain_kernel(const NormArgs a, const NormPlan p) {
+    norm_fwd_plain_kernel(const NormArgs a, const NormPlan p, int ahead) {
   constexpr Dtype D = Dtype(kDt);
   static_assert(D != Dtype::F32, "x is held packed, two elements a register");
   __shared__ float red[2][kMaxThreads / 32];
   if (a.weight.dtype == Dtype::F32)
-    plain_row<D, Dtype::F32, kLayer, K, kMaxThreads>(a, p, red);
+    plain_row<D, Dtype::F32, kLayer, K, kMaxThreads>(a, p, ahead, red);
   else
-    plain_row<D, D, kLayer, K, kMaxThreads>(a, p, red);
+    plain_row<D, D, kLayer, K, kMaxThreads>(a, p, ahead, red);
 }
 
 template <int kDt>
-cudaError_t launch_norm_fwd_plain(const NormArgs& a, const NormPlan& p, int slices,
+cudaError_t launch_norm_fwd_plain(const NormArgs& a, const NormPlan& p, int slices, int sms,
                                   cudaStream_t stream) {
   constexpr int N = kPlainNarrowThreads;
+  const bool wide = slices == 8 ? p.threads > N / 2 : p.threads > N;
+  // Past 1024 slices a block fetches the row one wave of blocks ahead into L2 (norm_plan.h).
+  const int per_sm = slices == 8 ? (wide ? 3 : 6) : (wide ? 2 : 4);
+  const int ahead = p.nslices > 1024 ? sms * per_sm : 0;
   auto kernel = slices == 8
-                    ? (p.threads > N / 2 ? norm_fwd_plain_kernel<kDt, true, 8, N, 3>
+                    ? (wide ? norm_fwd_plain_kernel<kDt, true, 8, N, 3>
                                          : norm_fwd_plain_kernel<kDt, true, 8, N / 2, 6>)
                 : a.layer_norm ? norm_fwd_plain_kernel<kDt, true, 4, N, 4>
-                : p.threads > N ? norm_fwd_plain_kernel<kDt, false, 4, kNormMaxThreads, 2>
+                : wide ? norm_fwd_plain_kernel<kDt, false, 4, kNormMaxThreads, 2>
                                 : norm_fwd_plain_kernel<kDt, false, 4, N, 4>;
-  kernel<<<unsigned(a.rows), unsigned(p.threads), 0, stream>>>(a, p);
+  kernel<<<unsigned(a.rows), unsigned(p.threads), 0, stream>>>(a, p, ahead);
   return cudaGetLastError();
 }
 

@@ -65,23 +65,25 @@ template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 // The lean backward keeps kFastBwdSlices slices a thread, like the fused general one. Its
 // dynamic shared memory (bwd_stash_bytes) holds, per thread:
-// - with LayerNorm, a bias gradient or a gate (bwd_reloads_scale), the scale of its slices,
-//   widened once: those kernels have no registers left to keep it for the whole walk, and
-//   reloading it from global memory each row left every row waiting on it (27% of the stall
-//   samples). One H200, % of copy, direct timing, reloaded against kept here: LayerNorm of bf16
-//   rows without a residual 56 / 75 at 8192 columns, 48 / 69 at 16384; beside a bf16 residual
-//   73 / 88 at 8192; gated RMSNorm in groups of 1024, 86 / 92;
+// - with LayerNorm, a bias gradient or a gate, beside a stream of x's dtype
+//   (bwd_stashes_scale), the scale of its slices, widened once: those kernels have no
+//   registers left to keep it for the whole walk, and reloading it from global memory each row
+//   left every row waiting on it (27% of the stall samples). One H200, % of copy, direct timing,
+//   reloaded against kept here: LayerNorm of bf16 rows without a residual 56 / 75 at 8192
+//   columns, 48 / 69 at 16384; beside a bf16 residual 73 / 88 at 8192; gated RMSNorm in groups
+//   of 1024, 86 / 92. Beside a float32 stream it lost (bench, LayerNorm at 8192 columns: 93-94
+//   / 81; its registers spilled 20 bytes more), so those reload it;
 // - with the gate first, two floats for each element of those 8-column slices (64 KB for 512
 //   threads).
 // Both leave the CTAs an SM as they were: 128 registers a thread already hold them to
 // 65536 / (128 * block).
 constexpr int kFastBwdSlices = 2;
-inline bool bwd_reloads_scale(const NormArgs& a) {
-  return a.layer_norm || a.dbias.present() || a.z.present();
+inline bool bwd_stashes_scale(const NormArgs& a, bool same_dtype) {
+  return same_dtype && (a.layer_norm || a.dbias.present() || a.z.present());
 }
-inline size_t bwd_stash_bytes(const NormArgs& a, const NormPlan& p) {
+inline size_t bwd_stash_bytes(const NormArgs& a, const NormPlan& p, bool same_dtype) {
   const size_t per_value = size_t(p.block) * kFastBwdSlices * 8 * sizeof(float);
-  return (bwd_reloads_scale(a) ? per_value : 0) +
+  return (bwd_stashes_scale(a, same_dtype) ? per_value : 0) +
          (a.z.present() && !a.norm_before_gate ? 2 * per_value : 0);
 }
 template <int kDt, int kRt, bool kCluster>
@@ -153,12 +155,15 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int
 //   H200, % of copy, direct timing, 4 slices a thread against 8: LayerNorm 85-86 / 87-92 at 8192
 //   columns, 74 / 80-84 at 12288, 81 / 81-83 at 16384; but 80 / 60 at 1024, and RMSNorm 94 /
 //   88-91 at 8192.
+// Past 1024 slices each block also fetches into L2 the row one wave of blocks ahead will take
+// (a bulk prefetch): LayerNorm 83 / 86 at 12288 and 84 / 86 at 16384, RMSNorm 92 / 95 at
+// 16384; at 8192 columns it lost (91 / 87), and two waves ahead lost everywhere (67-77).
 constexpr int kPlainNarrowThreads = 256;
 inline int plain_slices(bool layer_norm, int nslices) {
   return layer_norm && nslices >= 1024 ? 8 : 4;
 }
 template <int kDt>
-cudaError_t launch_norm_fwd_plain(const NormArgs& a, const NormPlan& p, int slices,
+cudaError_t launch_norm_fwd_plain(const NormArgs& a, const NormPlan& p, int slices, int sms,
                                   cudaStream_t stream);
 
 // Bytes of one 8-column slice of dtype d.
