@@ -6,9 +6,10 @@
 // LayerNorm, 4 slices a thread in 256 threads), so a CTA kept the SM's issue slots while the
 // others waited on memory. Here those are template arguments or one branch a row, x stays packed
 // in registers (4 a slice) and a row's addresses are 32-bit offsets from its first element. One
-// H200, % of copy, direct timing, held against plain: LayerNorm, bf16, float32 weight and bias,
-// 76 / 88 at 2048 columns, 77 / 84 at 8192, 70 / 81 at 16384; with bf16 weight and bias 74 /
-// 90 at 8192; RMSNorm 89 / 94 at 8192. Prefetching the weight and bias into L1 with x's loads
+// H200, % of copy, direct timing, held against plain with 4 slices a thread: LayerNorm, bf16,
+// float32 weight and bias, 76 / 88 at 2048 columns, 77 / 84 at 8192, 70 / 81 at 16384; with
+// bf16 weight and bias 74 / 90 at 8192; RMSNorm 89 / 94 at 8192 (the shapes the plan now takes,
+// and the prefetch of rows ahead, are in norm_plan.h). Prefetching the weight and bias into L1 with x's loads
 // (prefetch.global.L1) cost a third of that speed and more; loading the first two slices' before
 // the statistics, rather than after, moved LayerNorm by -4 to +2 points. One block a row, not
 // persistent (a new block starts loading the moment one ends). Included only by the
@@ -129,17 +130,18 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
 template <int kDt>
 cudaError_t launch_norm_fwd_plain(const NormArgs& a, const NormPlan& p, int slices, int sms,
                                   cudaStream_t stream) {
-  constexpr int N = kPlainNarrowThreads;
+  // Blocks an SM of each shape (norm_plan.h): 8 slices a thread in up to 128 or 256 threads,
+  // 4 in up to kPlainNarrowThreads or kNormMaxThreads.
+  constexpr int N = kPlainNarrowThreads, kNarrow8 = 6, kWide8 = 3, kNarrow4 = 4, kWide4 = 2;
   const bool wide = slices == 8 ? p.threads > N / 2 : p.threads > N;
+  auto kernel = slices == 8 ? (wide ? norm_fwd_plain_kernel<kDt, true, 8, N, kWide8>
+                                    : norm_fwd_plain_kernel<kDt, true, 8, N / 2, kNarrow8>)
+                : a.layer_norm ? norm_fwd_plain_kernel<kDt, true, 4, N, kNarrow4>
+                : wide         ? norm_fwd_plain_kernel<kDt, false, 4, kNormMaxThreads, kWide4>
+                               : norm_fwd_plain_kernel<kDt, false, 4, N, kNarrow4>;
   // Past 1024 slices a block fetches the row one wave of blocks ahead into L2 (norm_plan.h).
-  const int per_sm = slices == 8 ? (wide ? 3 : 6) : (wide ? 2 : 4);
+  const int per_sm = slices == 8 ? (wide ? kWide8 : kNarrow8) : (wide ? kWide4 : kNarrow4);
   const int ahead = p.nslices > 1024 ? sms * per_sm : 0;
-  auto kernel = slices == 8
-                    ? (wide ? norm_fwd_plain_kernel<kDt, true, 8, N, 3>
-                                         : norm_fwd_plain_kernel<kDt, true, 8, N / 2, 6>)
-                : a.layer_norm ? norm_fwd_plain_kernel<kDt, true, 4, N, 4>
-                : wide ? norm_fwd_plain_kernel<kDt, false, 4, kNormMaxThreads, 2>
-                                : norm_fwd_plain_kernel<kDt, false, 4, N, 4>;
   kernel<<<unsigned(a.rows), unsigned(p.threads), 0, stream>>>(a, p, ahead);
   return cudaGetLastError();
 }
