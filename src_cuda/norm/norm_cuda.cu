@@ -392,12 +392,12 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   const int nslices = slices_of(a);
   const int dt = common_row_dtype(a);
   const LeanDtypes lean = fwd_lean_dtypes(a, can_vectorize(a));
+  const int sms = std::max(1, multiprocessor_count(device));  // cached after the first call
   NormPlan p;
   if (lean.ok && nslices <= kFastFwdSlices) {
     p = shape_plan(a, 1);
     p.block = std::max(p.threads, 256);
     p.row_blocks = ceil_div(a.rows, p.block / p.threads);
-    const int sms = std::max(1, multiprocessor_count(device));
     return cuda_status(with_lean_dtypes(lean, [&](auto dt, auto rt) {
                          return launch_norm_fwd_fast<decltype(dt)::value, decltype(rt)::value>(
                              a, p, sms, s);
@@ -406,7 +406,6 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   }
   const int plain = lean.ok ? plain_plan(a, lean, p) : 0;
   if (plain > 0) {
-    const int sms = std::max(1, multiprocessor_count(device));
     const cudaError_t err = Dtype(lean.dt) == Dtype::F16
                                 ? launch_norm_fwd_plain<int(Dtype::F16)>(a, p, plain, sms, s)
                                 : launch_norm_fwd_plain<int(Dtype::BF16)>(a, p, plain, sms, s);
@@ -414,14 +413,12 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   }
   const int held = lean.ok ? held_plan(a, lean, device, p) : 0;
   if (held > 0) {
-    const int sms = std::max(1, multiprocessor_count(device));
     const cudaError_t err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
       return launch_norm_fwd_held<decltype(dt)::value, decltype(rt)::value>(a, p, held, sms, s);
     });
     // Otherwise not one cluster fits on this device: the general kernels below.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
   } else if (lean.ok && staged_plan(a, lean, device, p)) {
-    const int sms = std::max(1, multiprocessor_count(device));
     const cudaError_t err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
       constexpr int D = decltype(dt)::value, R = decltype(rt)::value;
       return p.cluster > 1 ? launch_norm_fwd_staged<D, R, true>(a, p, sms, s)
