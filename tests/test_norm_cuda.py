@@ -75,7 +75,17 @@ PLAIN_ROWS = (
     LAYER.replace(hidden=8240, lead=(5,)),
     LAYER.replace(hidden=16384, lead=(3,)),
 )
-AWKWARD_ROWS = CLUSTER_ROWS + HELD_ROWS + PLAIN_ROWS + (
+# The ring backward (norm_ring.cuh) takes 16-bit rows without a residual or a gate from 1025 to
+# 2048 slices (test_ring_rows): enough rows that each CTA walks its ring of three stages several
+# times (LayerNorm at 16384 columns, 512 threads every lane full), 1537 slices (the last lanes'
+# fourth slice idle; zero-centred RMSNorm) and 1025, the fewest (RMSNorm with a bias: the mean
+# terms and dbias).
+RING_ROWS = (
+    LAYER.replace(hidden=16384, lead=(1000,)),
+    BASE.replace(hidden=12296, zero_centered_weight=True, lead=(601,)),
+    BASE.replace(hidden=8200, bias=True, lead=(300,)),
+)
+AWKWARD_ROWS = CLUSTER_ROWS + HELD_ROWS + PLAIN_ROWS + RING_ROWS + (
     GATED.replace(hidden=1, group_size=0, lead=(5000,)),
     LAYER.replace(hidden=7, residual=True, z=True, lead=(1000,)),
     GATED.replace(hidden=4097, group_size=241, lead=(33,)),
@@ -161,6 +171,18 @@ def test_plain_rows(case, dtype, weight, seed):
     forward_on_gpu_and_cpu(case, inputs)
 
 
+@pytest.mark.parametrize("case", RING_ROWS, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("weight", ["float32", "x"])
+def test_ring_rows(case, dtype, weight, seed):
+    # The ring backward reads the weight in any dtype: float32, or x's.
+    wdtype = torch.float32 if weight == "float32" else dtype
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda",
+                              dtypes={"weight": wdtype, "bias": wdtype})
+    dy, dres = make_norm_cotangents(case, dtype, seed, device="cuda")
+    backward_on_gpu_and_cpu(case, inputs, dy, dres)
+
+
 @pytest.mark.parametrize("case", [BASE, GATED, LAYER.replace(residual=True, prenorm=True)],
                          ids=case_id)
 @dtypes
@@ -242,7 +264,8 @@ def test_c_every_dtype_independent(seed):
 @pytest.mark.parametrize("case", [GATED, LAYER.replace(residual=True, z=True, lead=(2, 3, 4)),
                                   BASE.replace(hidden=4096, residual=True, lead=(17,)),
                                   LAYER.replace(hidden=2048, lead=(17,)),
-                                  BASE.replace(hidden=20000, z=True, lead=(3,))], ids=case_id)
+                                  BASE.replace(hidden=20000, z=True, lead=(3,)),
+                                  LAYER.replace(hidden=8200, lead=(40,))], ids=case_id)
 @pytest.mark.parametrize("pad, offset", [(8, 8), (5, 3), (1, 1)],
                          ids=["aligned", "odd", "one"])
 @dtypes
@@ -308,6 +331,7 @@ def test_rows_zero(case, seed):
     (LAYER.replace(hidden=4097, lead=(3000,), residual=True, z=True), torch.float32),
     (BASE.replace(hidden=20000, lead=(600,), bias=True), torch.float16),
     (LAYER.replace(hidden=32768, lead=(700,), residual=True), torch.bfloat16),
+    (LAYER.replace(hidden=16384, lead=(700,)), torch.bfloat16),
     (GATED.replace(hidden=7, group_size=1, lead=(50000,), bias=True), torch.float32),
 ], ids=lambda v: case_id(v) if hasattr(v, "label") else DTYPE_IDS[v])
 def test_weight_gradients_bitwise_deterministic(case, dtype, seed):

@@ -73,6 +73,10 @@ def main():
                   ["template cudaError_t launch_norm_fwd_plain<%d>(const NormArgs&,"
                    " const NormPlan&, int, int, cudaStream_t);" % dt],
                   header="norm_plain.cuh")
+            write("norm_bwd_ring_%s.cu" % tag, "the ring fused-norm backward, %s." % rows,
+                  ["template cudaError_t launch_norm_bwd_ring<%d>(const NormArgs&, NormPlan&,"
+                   " int, cudaStream_t);" % dt],
+                  header="norm_ring.cuh")
         for cluster in CLUSTERED:
             for stem, what, launcher, header in CLUSTERED_LAUNCHERS:
                 write("%s%s_%s.cu" % (stem, "_cluster" if cluster else "", tag),

@@ -439,6 +439,16 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   return cuda_status(err, "norm_fwd launch");
 }
 
+// Whether the ring backward (norm_plan.h) takes the call: it copies with the bulk-copy engine,
+// sm_90 code like the clusters'.
+bool ring_takes(const NormArgs& a, LeanDtypes d, int device) {
+  const int nslices = slices_of(a);
+  return d.ok && Dtype(d.dt) != Dtype::F32 && d.rt == d.dt && a.rows > 0 &&
+         !a.dresidual_out.present() && !a.dresidual.present() && !a.z.present() &&
+         a.ngroups == 1 && nslices >= kRingMinSlices && nslices <= kRingMaxSlices &&
+         cluster_kernels_run(device);
+}
+
 ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* stream) {
   CudaDeviceGuard guard(device);
   if (guard.status() != SSM_SUCCESS) return guard.status();
@@ -446,22 +456,36 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   const int dt = common_row_dtype(a);
   const bool vec = can_vectorize(a);
   const LeanDtypes lean = bwd_lean_dtypes(a, vec);
-  int cluster = lean.ok ? lean_cluster(slices_of(a), device) : 0;
+  const bool ring = ring_takes(a, lean, device);
+  int cluster = lean.ok && !ring ? lean_cluster(slices_of(a), device) : 0;
   const bool sums = a.dweight.present() || a.dbias.present();
   float* partial = static_cast<float*>(workspace);
+  // Without a cluster, the general kernels' setup: its partial rows are the most the workspace
+  // holds for any call, so they bound the ring backward's.
   BwdSetup setup(a, device, cluster);
   NormPlan& p = setup.plan;
   auto prepare = [&] {
     p.vec = vec;
     if (setup.fused && sums) p.partial = partial;
   };
+  if (ring) {
+    const int64_t partial_rows = setup.partial_rows;
+    p = shape_plan(a, kRingSlices);
+    p.block = p.threads;
+    p.row_blocks = std::min<int64_t>(a.rows, partial_rows);
+    setup.fused = true;
+  }
   prepare();
 
   cudaError_t err = cudaSuccess;
   // The row kernel also runs with no rows when it is the one writing the (zero) partial sums.
   if (a.rows > 0 || p.partial != nullptr) {
     const int sms = std::max(1, multiprocessor_count(device));
-    if (cluster > 0) {
+    if (ring) {
+      err = Dtype(lean.dt) == Dtype::F16 ? launch_norm_bwd_ring<int(Dtype::F16)>(a, p, sms, s)
+                                         : launch_norm_bwd_ring<int(Dtype::BF16)>(a, p, sms, s);
+      setup.partial_rows = p.row_blocks;  // as the launcher lowered it
+    } else if (cluster > 0) {
       err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
         constexpr int D = decltype(dt)::value, R = decltype(rt)::value;
         return cluster > 1 ? launch_norm_bwd_fast<D, R, true>(a, p, sms, s)
@@ -475,7 +499,7 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
         prepare();
       }
     }
-    if (cluster == 0) {
+    if (cluster == 0 && !ring) {
       err = setup.fused ? bwd_by_dtype<kBwdMaxSlices, false>(dt, a, p, s)
                         : bwd_by_dtype<kBwdMaxSlices, true>(dt, a, p, s);
     }

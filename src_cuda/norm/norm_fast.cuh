@@ -15,18 +15,13 @@
 
 #include <algorithm>
 
+#include "../common/bulk_copy.cuh"
 #include "norm_device.cuh"
 #include "norm_plan.h"
 
 namespace ssm {
 
 namespace norm_detail {
-
-// Fetches `bytes` (a multiple of 16, from a 16-byte aligned address) into L2 without waiting
-// (sm_90; the uniform datapath issues it, so one thread a warp).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
 
 // A thread's K slices (lane + k * threads of its block's share): whether each lies in the row
 // and its first column.

@@ -1,0 +1,142 @@
+// The ring backward: dx, dweight and dbias of whole rows of 16-bit x and dy without a residual
+// stream or a gate (torch.nn.LayerNorm's and RMSNorm's backward), with the rows brought into a
+// ring of kRingStages shared-memory stages by the bulk-copy engine. The lean backward
+// (norm_fast.cuh) keeps the next row in registers; with the dweight and dbias sums there too,
+// its 128 registers a thread allow 512 threads an SM, 32 KB of x and dy in flight an SM at 16384
+// columns, shared by the four CTAs of a cluster that meet every row: 71% of copy (one H200,
+// LayerNorm, bf16, direct timing). Here one thread a CTA issues each row's copies two rows ahead
+// (128 KB an SM at 16384 columns) and no register holds them; a CTA holds whole rows, so no
+// cluster: 84% (norm_plan.h). Each thread reads its slices from the stage twice (the sums, then
+// dx after the row's reduction), so no register keeps x or dy across the reduction.
+//
+// Persistent: one CTA a row block, rows blockIdx.x, blockIdx.x + gridDim.x, ...; its dweight and
+// dbias sums are row blockIdx.x of p.partial (p.row_blocks == gridDim.x). Included only by the
+// instantiation files.
+#pragma once
+
+#include "../common/bulk_copy.cuh"
+#include "norm_fast.cuh"
+
+namespace ssm {
+
+namespace norm_detail {
+
+__device__ __forceinline__ void unpack_slice(Dtype d, const uint4& raw, Slice& f) {
+  f[0] = __uint_as_float(raw.x), f[1] = __uint_as_float(raw.y);
+  f[2] = __uint_as_float(raw.z), f[3] = __uint_as_float(raw.w);
+  widen_slice(d, true, f);
+}
+
+}  // namespace norm_detail
+
+// kDt: x, dy and dx (16-bit); kFull: LayerNorm, or a dbias wanted (the mean and the sum of w dy,
+// the dbias sums), as in the lean backward. K slices a thread (lane + k * threads).
+template <int kDt, bool kFull, int K>
+__global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const NormArgs a,
+                                                                           const NormPlan p) {
+  using namespace norm_detail;
+  constexpr Dtype D = Dtype(kDt);
+  constexpr int S = kRingStages;
+  constexpr int M = kFull ? 2 : 1;
+  static_assert(D != Dtype::F32, "a slice of x is one 16-byte copy");
+  __shared__ uint64_t landed[S];
+  __shared__ float red[2][kNormMaxThreads / 32 * M];
+  // Stage s: the row's x (p.nslices 16-byte slices), then its dy.
+  extern __shared__ uint4 ring[];
+  const int T = p.threads, lane = threadIdx.x, n = p.nslices;
+  const unsigned row_bytes = unsigned(n) * 16u;
+  const int64_t step = gridDim.x;
+
+  // Thread 0: the copies of the block's j-th row into stage j % S, if that row exists.
+  auto issue = [&](int j) {
+    const int64_t r = blockIdx.x + int64_t(j) * step;
+    if (r >= a.rows) return;
+    uint4* stage = ring + size_t(j % S) * 2 * n;
+    uint64_t* bar = &landed[j % S];
+    mbarrier_expect_bytes(bar, 2 * row_bytes);
+    bulk_copy_to_shared(stage, static_cast<const uint16_t*>(a.x.data) + r * a.x.stride[0],
+                        row_bytes, bar);
+    bulk_copy_to_shared(stage + n, static_cast<const uint16_t*>(a.dy.data) + r * a.dy.stride[0],
+                        row_bytes, bar);
+  };
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) mbarrier_init_for_copies(&landed[s]);
+#pragma unroll
+    for (int j = 0; j < S; ++j) issue(j);
+  }
+  Slice w[K], dw[K] = {}, db[K] = {};
+#pragma unroll
+  for (int k = 0; k < K; ++k) slice_scale(a, lane + k * T < n, int64_t(lane + k * T) * kSlice, w[k]);
+  __syncthreads();  // the mbarriers are ready
+
+  const float inv_len = 1.f / float(a.group_size);
+  int j = 0;
+  for (int64_t r = blockIdx.x; r < a.rows; r += step, ++j) {
+    const float mean = kFull && a.layer_norm ? load_stat(a.mean, r, 0) : 0.f;
+    const float rstd = load_stat(a.rstd, r, 0);
+    const uint4* xs = ring + size_t(j % S) * 2 * n;
+    const uint4* dys = xs + n;
+    mbarrier_wait(&landed[j % S], unsigned(j / S) & 1u);
+    float acc[M] = {};
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int v = lane + k * T;
+      if (v >= n) continue;
+      Slice xhat, g;
+      unpack_slice(D, xs[v], xhat);
+      unpack_slice(D, dys[v], g);
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) {
+        // (x - mean) rstd, not x rstd - mean rstd: a constant row must give xhat 0 exactly.
+        xhat[e] = kFull ? (xhat[e] - mean) * rstd : xhat[e] * rstd;
+        dw[k][e] = fmaf(g[e], xhat[e], dw[k][e]);
+        if (kFull) db[k][e] += g[e];
+        g[e] *= w[k][e];
+        acc[0] = fmaf(g[e], xhat[e], acc[0]);
+        if (kFull) acc[M - 1] += g[e];
+      }
+    }
+    segment_sum<M>(acc, T, red[j & 1], true);
+    // Past that barrier every thread is done with the previous row's stage: refill it.
+    if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
+    if (!a.dx.present()) continue;
+    const float c1 = acc[0] * inv_len;
+    const float c2 = kFull && a.layer_norm ? acc[M - 1] * inv_len : 0.f;
+    uint16_t* dx = static_cast<uint16_t*>(a.dx.data) + r * a.dx.stride[0];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int v = lane + k * T;
+      if (v >= n) continue;
+      Slice xhat, g;
+      unpack_slice(D, xs[v], xhat);
+      unpack_slice(D, dys[v], g);
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) {
+        const float xh = kFull ? (xhat[e] - mean) * rstd : xhat[e] * rstd;
+        g[e] = rstd * (g[e] * w[k][e] - fmaf(xh, c1, c2));
+      }
+      store_slice(dx, D, int64_t(v) * kSlice, kSlice, true, g);
+    }
+  }
+  if (p.partial == nullptr) return;
+  float* const out_w = p.partial + int64_t(blockIdx.x) * a.hidden;
+  float* const out_b = out_w + int64_t(gridDim.x) * a.hidden;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int v = lane + k * T;
+    if (v >= n) continue;
+    store_slice(out_w, Dtype::F32, int64_t(v) * kSlice, kSlice, true, dw[k]);
+    if (kFull) store_slice(out_b, Dtype::F32, int64_t(v) * kSlice, kSlice, true, db[k]);
+  }
+}
+
+template <int kDt>
+cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
+  const bool full = a.layer_norm || a.dbias.present();
+  auto kernel = full ? norm_bwd_ring_kernel<kDt, true, kRingSlices>
+                     : norm_bwd_ring_kernel<kDt, false, kRingSlices>;
+  return launch_rows<false>(kernel, a, p, sms, stream, ring_bytes(p));
+}
+
+}  // namespace ssm
