@@ -440,17 +440,21 @@ EXTREME_ROWS = {
 }
 
 
-@pytest.mark.parametrize("hidden", [256, 20000])
+# bfloat16 rows of 4096 and 16384 columns take the plain forward's one-round moments
+# (segment_moments) and, at 16384, the ring backward.
+@pytest.mark.parametrize("hidden, dtype", [(256, torch.float32), (20000, torch.float32),
+                                           (4096, torch.bfloat16), (16384, torch.bfloat16)],
+                         ids=["256", "20000", "4096-bf16", "16384-bf16"])
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("pattern", list(EXTREME_ROWS))
-def test_extreme_rows(pattern, kind, hidden, seed):
+def test_extreme_rows(pattern, kind, hidden, dtype, seed):
     case = LAYER.replace(kind=kind, lead=(4,), hidden=hidden)
-    inputs = make_norm_inputs(case, torch.float32, seed, device="cuda")
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda")
     inputs["x"] = EXTREME_ROWS[pattern](inputs["x"])
     fwd = run_forward(case, inputs)
     cpu = to_cpu(inputs)
     check_forward(case, cpu, libssm.NormForward(*(None if t is None else t.cpu() for t in fwd)))
-    dy, _ = make_norm_cotangents(case, torch.float32, seed, device="cuda")
+    dy, _ = make_norm_cotangents(case, dtype, seed, device="cuda")
     grads = run_backward(case, inputs, fwd, dy, None)
     check_backward(case, cpu["x"], cpu, dy.cpu(), None,
                    libssm.NormGrads(*(None if g is None else g.cpu() for g in grads)))

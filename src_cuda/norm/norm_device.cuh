@@ -55,6 +55,43 @@ __device__ __forceinline__ void segment_sum(float (&v)[M], int threads, float* r
   }
 }
 
+// The mean and the sum of squared deviations (m2) of a segment whose `threads` threads each hold
+// `count` of its elements, from each thread's own mean and m2: Chan, Golub and LeVeque's pairwise
+// merge, butterflied like segment_sum, in one round through shared memory where the mean and
+// then the deviations from it take two. With equal counts a merge is mean = (a + b) / 2,
+// m2 = m2_a + m2_b + (a - b)^2 count / 2, the same bits in both partners. red_mean and red_m2:
+// one shared float a warp each, which no thread may still be reading from an earlier call.
+template <int kMaxThreads>
+__device__ __forceinline__ void segment_moments(float& mean, float& m2, float count, int threads,
+                                                float* red_mean, float* red_m2) {
+  auto merge = [&](int o) {
+    const float other_mean = __shfl_xor_sync(0xffffffffu, mean, o);
+    const float other_m2 = __shfl_xor_sync(0xffffffffu, m2, o);
+    const float d = mean - other_mean;
+    m2 = (m2 + other_m2) + d * d * (0.5f * count);
+    mean = 0.5f * (mean + other_mean);
+    count *= 2.f;
+  };
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    if (o >= threads) break;
+    merge(o);
+  }
+  if (threads <= 32) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) red_mean[warp] = mean, red_m2[warp] = m2;
+  __syncthreads();
+  const int warps = threads >> 5;  // a power of two
+  const int from = (warp & ~(warps - 1)) + (lane & (warps - 1));
+  mean = red_mean[from];
+  m2 = red_m2[from];
+#pragma unroll
+  for (int o = 1; o < kMaxThreads / 32; o <<= 1) {
+    if (o >= warps) break;
+    merge(o);
+  }
+}
+
 // Where a thread's work lies: its segment lane and slot, the group of its block and, when the
 // CTAs of a cluster share each segment (`shared`, a compile-time constant in every caller, so
 // the others keep none of this arithmetic), the block's share of it: consecutive slices from

@@ -60,9 +60,10 @@ __device__ __forceinline__ void widen_slice(Dtype d, bool vec, float (&v)[kSlice
   }
 }
 
-// v[0..7] (or the first `n` without `vec`) rounded to `d` and stored from element `i` onward.
+// v[0..7] (or the first `n` without `vec`) rounded to `d` and stored from element `i` onward;
+// `streaming`: a 16-bit `vec` slice is stored with store_16_bytes_streaming.
 __device__ __forceinline__ void store_slice(void* p, Dtype d, int64_t i, int n, bool vec,
-                                            const float (&v)[kSlice]) {
+                                            const float (&v)[kSlice], bool streaming = false) {
   if (vec) {
     if (d == Dtype::F32) {
       float* q = static_cast<float*>(p) + i;
@@ -83,7 +84,10 @@ __device__ __forceinline__ void store_slice(void* p, Dtype d, int64_t i, int n, 
         memcpy(&w[k], &h, sizeof h);
       }
     }
-    store_16_bytes(static_cast<uint16_t*>(p) + i, make_uint4(w[0], w[1], w[2], w[3]));
+    if (streaming)
+      store_16_bytes_streaming(static_cast<uint16_t*>(p) + i, make_uint4(w[0], w[1], w[2], w[3]));
+    else
+      store_16_bytes(static_cast<uint16_t*>(p) + i, make_uint4(w[0], w[1], w[2], w[3]));
     return;
   }
 #pragma unroll
