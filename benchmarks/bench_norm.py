@@ -87,6 +87,7 @@ except Exception as e:  # noqa: BLE001 - report why, and still measure the peers
 
 IMPLS = ("libssm", "eager", "compile", "mamba")
 PEERS = ("eager", "compile", "mamba")
+KINDS = ("rms", "layer", "gated", "rms-plain", "layer-plain")
 RMS_HIDDEN = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 # kind, hidden, group_size (None: one group of hidden columns)
 ALL_ROWS = ([("rms", h, None) for h in RMS_HIDDEN]
@@ -420,10 +421,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=3,
                     help="measurements per figure, the fastest kept (host stalls only slow one)")
     ap.add_argument("--rows", choices=["all", "quick"], default="all")
-    ap.add_argument("--kind", choices=["rms", "layer", "gated", "rms-plain", "layer-plain", "all"],
+    ap.add_argument("--kind", choices=list(KINDS) + ["all"],
                     default="all")
     ap.add_argument("--hidden", default="",
-                    help="comma-separated hidden sizes: only the rows of those (default: all)")
+                    help="comma-separated hidden sizes: rows of the chosen kinds at these sizes, "
+                         "one group each, in place of the standard rows (a sweep)")
     ap.add_argument("--impls", default=",".join(IMPLS),
                     help="comma-separated subset of " + ", ".join(IMPLS))
     ap.add_argument("--fwd-mode", choices=["train", "infer"], default="train",
@@ -450,9 +452,10 @@ def main():
             sys.exit("no CUDA device (use --dry-run to exercise the script on the CPU)")
         specs = ALL_ROWS if args.rows == "all" else QUICK_ROWS
         max_elements, copy_bytes = args.max_elements, COPY_BYTES
-    specs = [s for s in specs if args.kind in ("all", s[0])]
     if args.hidden:
-        specs = [s for s in specs if s[1] in {int(h) for h in args.hidden.split(",")}]
+        kinds = KINDS if args.kind == "all" else (args.kind,)
+        specs = [(k, int(h), None) for k in kinds for h in args.hidden.split(",")]
+    specs = [s for s in specs if args.kind in ("all", s[0])]
     rows = [make_row(k, h, g, max_elements) for k, h, g in specs]
 
     mamba_ln = mamba_gated = None

@@ -29,9 +29,11 @@ dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 # (five 512-thread CTAs, 300 rows so each cluster walks many), 65536 (eight), 16384 with no rows
 # (zero dweight), and gated groups of 16384 and 12288 columns (a cluster per group). The forward
 # without a gate holds segments past one CTA's stage in registers on clusters (norm_held.cuh):
-# 24584 (two 16-bit CTAs, the second short; four float32 ones), 40000 (three; five) and 65536
-# (four; eight); an RMSNorm of 16-bit rows there in one plain CTA of up to 1024 threads: 24584
-# (3073 slices, the last lanes idle) and 32768 (every lane full). Shorter rows without a gate
+# 24584 (two 16-bit CTAs, the second short; four float32 ones), 40000 (five float32 CTAs; 16-bit
+# rows without a residual take the plain forward's clusters, three CTAs of 8 slices a thread)
+# and 65536 (four; eight); an RMSNorm of 16-bit rows beside a residual there in one plain CTA of
+# up to 1024 threads: 24584 (3073 slices, the last lanes idle); at 32768 without a residual the
+# plain forward's two CTAs of 4 slices a thread, every lane full. Shorter rows without a gate
 # take one plain held CTA too (HELD_ROWS), in each shape held_plan (norm_cuda.cu) picks.
 CLUSTER_ROWS = (
     BASE.replace(hidden=24584, lead=(37,), residual=True, prenorm=True),
@@ -61,19 +63,27 @@ HELD_ROWS = (
     BASE.replace(hidden=6152, lead=(5,), residual=True),
 )
 # The plain forward (norm_plain.cuh) takes 16-bit rows without a residual or a gate
-# (test_plain_rows): 4 slices a thread at 1024 columns (one warp), 1040 (130 slices in 64
-# threads, two lanes holding a third), for a zero-centred LayerNorm at 4096 and an RMSNorm
-# without a bias at 2056 (257 slices, one lane holding a third); a LayerNorm from 8192 columns
-# takes 8: 128 threads every lane full, 8240 (1030 slices in 256 threads, six lanes holding a
-# fifth) and 16384. These rows run every dtype in the other tests too.
+# (test_plain_rows): 4 slices a thread below 512 slices, at 1024 columns (one warp) and 1040 (130
+# slices in 64 threads, two lanes holding a third), and for an RMSNorm without a bias at 2056
+# (257 slices, one lane holding a third); a LayerNorm from 512 slices takes 8: a zero-centred
+# one at 4096 columns (64 threads), 5120 (5 slices a lane in 128 threads), 8192 (every lane
+# full), 8240 (1030 slices in 256 threads, six lanes holding a fifth: the moments of unequal
+# counts) and 16384. Past 2048 slices the CTAs of a cluster share a row: a LayerNorm of two CTAs
+# of 1537 and 1536 slices (24584 columns) and of four full ones (65536), an RMSNorm of two CTAs
+# of 8 slices a thread, 5 of them held (20480), and of four of 4 slices a thread (65536).
 PLAIN_ROWS = (
     LAYER.replace(hidden=1024, lead=(3,)),
     LAYER.replace(hidden=1040, lead=(13,)),
     LAYER.replace(hidden=4096, zero_centered_weight=True, lead=(6,)),
     BASE.replace(hidden=2056, lead=(5,)),
+    LAYER.replace(hidden=5120, lead=(7,)),
     LAYER.replace(hidden=8192, lead=(4,)),
     LAYER.replace(hidden=8240, lead=(5,)),
     LAYER.replace(hidden=16384, lead=(3,)),
+    LAYER.replace(hidden=24584, lead=(37,)),
+    LAYER.replace(hidden=65536, lead=(3,)),
+    BASE.replace(hidden=20480, lead=(5,)),
+    BASE.replace(hidden=65536, bias=True, lead=(3,)),
 )
 # The ring backward (norm_ring.cuh) takes 16-bit rows without a residual or a gate from 1025 to
 # 2048 slices (test_ring_rows): enough rows that each CTA walks its ring of three stages several

@@ -337,18 +337,20 @@ int held_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
 
 // The plain forward's plan (norm_plan.h): the slices a thread holds, or 0 where the call is not
 // one it takes.
-int plain_plan(const NormArgs& a, LeanDtypes d, NormPlan& p) {
+int plain_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   const Dtype dt = Dtype(d.dt);
   const int nslices = slices_of(a);
   const bool weight_ok = a.weight.present() &&
                          (a.weight.dtype == Dtype::F32 || a.weight.dtype == dt) &&
                          (!a.bias.present() || a.bias.dtype == a.weight.dtype);
   if (dt == Dtype::F32 || d.rt != d.dt || a.residual.present() || a.residual_out.present() ||
-      a.z.present() || a.ngroups != 1 || !weight_ok || nslices < 128 ||
-      nslices > 4 * kNormMaxThreads || a.rows > INT_MAX)
+      a.z.present() || a.ngroups != 1 || !weight_ok || nslices < 128)
     return 0;
-  const int K = plain_slices(a.layer_norm, nslices);
-  p = shape_plan(a, K);
+  const int cluster = int(ceil_div(nslices, kPlainCtaSlices));
+  if (cluster > 1 && (cluster > kMaxCluster || !cluster_kernels_run(device))) return 0;
+  if (a.rows > INT_MAX / cluster) return 0;
+  const int K = plain_slices(a.layer_norm, int(ceil_div(nslices, cluster)));
+  p = shape_plan(a, K, cluster);
   p.block = p.threads;
   p.vec = true;
   p.row_blocks = a.rows;
@@ -404,12 +406,13 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
                        }),
                        "norm_fwd launch");
   }
-  const int plain = lean.ok ? plain_plan(a, lean, p) : 0;
+  const int plain = lean.ok ? plain_plan(a, lean, device, p) : 0;
   if (plain > 0) {
     const cudaError_t err = Dtype(lean.dt) == Dtype::F16
                                 ? launch_norm_fwd_plain<int(Dtype::F16)>(a, p, plain, sms, s)
                                 : launch_norm_fwd_plain<int(Dtype::BF16)>(a, p, plain, sms, s);
-    return cuda_status(err, "norm_fwd launch");
+    // Otherwise not one cluster fits on this device: the kernels below.
+    if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
   }
   const int held = lean.ok ? held_plan(a, lean, device, p) : 0;
   if (held > 0) {

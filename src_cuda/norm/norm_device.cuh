@@ -16,24 +16,30 @@
 namespace ssm {
 namespace norm_detail {
 
-// Sums M values over the `threads` threads of each segment; every thread gets the totals, in
-// the same bits: butterfly shuffles within each warp, then the segment's warp partials
-// (`threads` <= kMaxThreads <= 1024: at most 32) butterflied across the lanes of every warp
-// again, each lane group reading them in the same positions; kMaxThreads bounds the unrolled
-// loop. `red` is shared memory of (blockDim / 32) * M floats. Called by every thread of the
-// block. `red_free` says no thread may still be reading `red` from an earlier call (the caller
-// alternates two buffers, so the barrier of the call in between has seen to it); otherwise a
-// barrier waits for them. The loops are unrolled with uniform guards: a run-time loop over the
-// warps cost the lean backward ~10% of its instructions.
-template <int M, int kMaxThreads = kNormMaxThreads>
-__device__ __forceinline__ void segment_sum(float (&v)[M], int threads, float* red,
-                                            bool red_free = false) {
+// Combines M values over the `threads` threads of each segment with `merge(v, other)` (which
+// must give the same bits whichever partner is `v`), so every thread gets the same result:
+// butterfly shuffles within each warp, then the segment's warp partials (`threads` <=
+// kMaxThreads <= 1024: at most 32) butterflied across the lanes of every warp again, each lane
+// group reading them in the same positions; kMaxThreads bounds the unrolled loop. `red` is
+// shared memory of (blockDim / 32) * M floats. Called by every thread of the block. `red_free`
+// says no thread may still be reading `red` from an earlier call (the caller alternates two
+// buffers, so the barrier of the call in between has seen to it); otherwise a barrier waits for
+// them. The loops are unrolled with uniform guards: a run-time loop over the warps cost the lean
+// backward ~10% of its instructions.
+template <int M, int kMaxThreads, class Merge>
+__device__ __forceinline__ void segment_reduce(float (&v)[M], int threads, float* red,
+                                               bool red_free, Merge merge) {
   static_assert(kMaxThreads <= 32 * 32, "the warp partials fit one warp");
+  auto exchange = [&](int o) {
+    float other[M];
+#pragma unroll
+    for (int i = 0; i < M; ++i) other[i] = __shfl_xor_sync(0xffffffffu, v[i], o);
+    merge(v, other);
+  };
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
     if (o >= threads) break;
-#pragma unroll
-    for (int i = 0; i < M; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+    exchange(o);
   }
   if (threads <= 32) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -50,46 +56,70 @@ __device__ __forceinline__ void segment_sum(float (&v)[M], int threads, float* r
 #pragma unroll
   for (int o = 1; o < kMaxThreads / 32; o <<= 1) {
     if (o >= warps) break;
-#pragma unroll
-    for (int i = 0; i < M; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+    exchange(o);
   }
 }
 
-// The mean and the sum of squared deviations (m2) of a segment whose `threads` threads each hold
-// `count` of its elements, from each thread's own mean and m2: Chan, Golub and LeVeque's pairwise
-// merge, butterflied like segment_sum, in one round through shared memory where the mean and
-// then the deviations from it take two. With equal counts a merge is mean = (a + b) / 2,
-// m2 = m2_a + m2_b + (a - b)^2 count / 2, the same bits in both partners. red_mean and red_m2:
-// one shared float a warp each, which no thread may still be reading from an earlier call.
+struct AddValues {
+  template <int M>
+  __device__ __forceinline__ void operator()(float (&v)[M], const float (&other)[M]) const {
+#pragma unroll
+    for (int i = 0; i < M; ++i) v[i] += other[i];
+  }
+};
+
+// Sums M values over the `threads` threads of each segment (segment_reduce).
+template <int M, int kMaxThreads = kNormMaxThreads>
+__device__ __forceinline__ void segment_sum(float (&v)[M], int threads, float* red,
+                                            bool red_free = false) {
+  segment_reduce<M, kMaxThreads>(v, threads, red, red_free, AddValues());
+}
+
+// Moments of a set of elements: {mean, m2 (the sum of squared deviations from the mean),
+// count}.
+using Moments = float[3];
+
+// Chan, Golub and LeVeque's pairwise merge of two sets' moments into `m`, written so that it
+// gives the same bits whichever set is `m` (every operation is a commutative one of both sides;
+// the mean's products are kept out of a fused multiply-add, which would round one side's and not
+// the other's), and an empty set leaves the other as it is. __fdividef (2 ulp): the IEEE
+// division's slow path made the plain forward spill 8-48 bytes.
+struct MergeMoments {
+  __device__ __forceinline__ void operator()(Moments& m, const Moments& other) const {
+    const float count = m[2] + other[2];
+    const float d = m[0] - other[0];
+    const float scale = count > 0.f ? __fdividef(1.f, count) : 0.f;
+    m[1] = (m[1] + other[1]) + d * d * (m[2] * other[2] * scale);
+    m[0] = (__fmul_rn(m[2], m[0]) + __fmul_rn(other[2], other[0])) * scale;
+    m[2] = count;
+  }
+};
+
+// MergeMoments for two sets of one count: mean = (a + b) / 2, m2 = m2_a + m2_b + (a - b)^2
+// count / 2. One H200, % of copy, direct timing: the plain LayerNorm forward 81-93 with the
+// general merge against 83-95 with this one (4096 to 14336 columns, every lane holding as many
+// slices as the others).
+struct MergeEqualMoments {
+  __device__ __forceinline__ void operator()(Moments& m, const Moments& other) const {
+    const float d = m[0] - other[0];
+    m[1] = (m[1] + other[1]) + d * d * (0.5f * m[2]);
+    m[0] = 0.5f * (m[0] + other[0]);
+    m[2] *= 2.f;
+  }
+};
+
+// A segment's moments from each thread's own (threads holding none pass count 0): one round
+// through shared memory, where the mean and then the deviations from it take two, and with the
+// deviations taken from each thread's own mean no large mean cancels. `equal_counts`: every
+// thread of the segment holds as many elements (the same in all of them). `red`: 3 floats a
+// warp, which no thread may still be reading from an earlier call.
 template <int kMaxThreads>
-__device__ __forceinline__ void segment_moments(float& mean, float& m2, float count, int threads,
-                                                float* red_mean, float* red_m2) {
-  auto merge = [&](int o) {
-    const float other_mean = __shfl_xor_sync(0xffffffffu, mean, o);
-    const float other_m2 = __shfl_xor_sync(0xffffffffu, m2, o);
-    const float d = mean - other_mean;
-    m2 = (m2 + other_m2) + d * d * (0.5f * count);
-    mean = 0.5f * (mean + other_mean);
-    count *= 2.f;
-  };
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    if (o >= threads) break;
-    merge(o);
-  }
-  if (threads <= 32) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) red_mean[warp] = mean, red_m2[warp] = m2;
-  __syncthreads();
-  const int warps = threads >> 5;  // a power of two
-  const int from = (warp & ~(warps - 1)) + (lane & (warps - 1));
-  mean = red_mean[from];
-  m2 = red_m2[from];
-#pragma unroll
-  for (int o = 1; o < kMaxThreads / 32; o <<= 1) {
-    if (o >= warps) break;
-    merge(o);
-  }
+__device__ __forceinline__ void segment_moments(Moments& m, int threads, float* red,
+                                                bool equal_counts) {
+  if (equal_counts)
+    segment_reduce<3, kMaxThreads>(m, threads, red, true, MergeEqualMoments());
+  else
+    segment_reduce<3, kMaxThreads>(m, threads, red, true, MergeMoments());
 }
 
 // Where a thread's work lies: its segment lane and slot, the group of its block and, when the

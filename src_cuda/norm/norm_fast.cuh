@@ -102,13 +102,12 @@ __device__ __forceinline__ void cluster_inbox_ready() {
 #endif
 }
 
-// Replaces v (the same in every thread of the block) with the cluster's sums. Called by every
-// thread of the block.
+// Stores v (the same in every thread of the block) into row `rank` of every CTA's `box` and
+// waits until every CTA's has landed in this one's. Called by every thread of the block.
 template <int M>
-__device__ __forceinline__ void cluster_push_sum(float (&v)[M], ClusterInbox<M>& box, int ranks,
-                                                 int rank, int parity) {
+__device__ __forceinline__ void cluster_push(const float (&v)[M], ClusterInbox<M>& box, int ranks,
+                                             int rank, int parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  static_assert(kMaxCluster <= 8, "the butterfly below spans 8 lanes");
   const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&box.landed));
   if (threadIdx.x == 0) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
@@ -143,15 +142,38 @@ __device__ __forceinline__ void cluster_push_sum(float (&v)[M], ClusterInbox<M>&
         : "r"(bar), "r"(parity)
         : "memory");
   }
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int i = 0; i < M; ++i) {
-    float t = lane < ranks ? box.value[lane & 7][i] : 0.f;
-#pragma unroll
-    for (int o = 1; o < 8; o <<= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-    v[i] = __shfl_sync(0xffffffffu, t, 0);
-  }
 #endif
+}
+
+// Replaces v (the same in every thread of the block) with the cluster's values combined by
+// `merge` (as for segment_reduce; zeros stand for the ranks past `ranks`, so they must leave a
+// value as it is), in rank order, so every thread of every CTA gets the same bits. Called by
+// every thread of the block.
+template <int M, class Merge>
+__device__ __forceinline__ void cluster_reduce(float (&v)[M], ClusterInbox<M>& box, int ranks,
+                                               int rank, int parity, Merge merge) {
+  static_assert(kMaxCluster <= 8, "the butterfly below spans 8 lanes");
+  cluster_push(v, box, ranks, rank, parity);
+  const int lane = threadIdx.x & 31;
+  float t[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) t[i] = lane < ranks ? box.value[lane & 7][i] : 0.f;
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) {
+    float other[M];
+#pragma unroll
+    for (int i = 0; i < M; ++i) other[i] = __shfl_xor_sync(0xffffffffu, t[i], o);
+    merge(t, other);
+  }
+#pragma unroll
+  for (int i = 0; i < M; ++i) v[i] = __shfl_sync(0xffffffffu, t[i], 0);
+}
+
+// The cluster's sums of v (cluster_reduce).
+template <int M>
+__device__ __forceinline__ void cluster_push_sum(float (&v)[M], ClusterInbox<M>& box, int ranks,
+                                                 int rank, int parity) {
+  cluster_reduce(v, box, ranks, rank, parity, AddValues());
 }
 
 // The statistics of a segment once each thread has its share of the first sum in `acc`: g
@@ -540,13 +562,14 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
 }
 
 // Launches `kernel` on p.row_blocks * ngroups blocks, or clusters of p.cluster blocks with
-// kCluster, each with `smem` bytes of dynamic shared memory. With `persistent` (kernels that walk
-// down the rows) p.row_blocks is first lowered so that all of them run at once. With kCluster it
-// returns cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the
-// device.
-template <bool kCluster>
-cudaError_t launch_rows(void (*kernel)(NormArgs, NormPlan), const NormArgs& a, NormPlan& p,
-                        int sms, cudaStream_t stream, size_t smem = 0, bool persistent = true) {
+// kCluster, each with `smem` bytes of dynamic shared memory, passing `extra` after a and p. With
+// `persistent` (kernels that walk down the rows) p.row_blocks is first lowered so that all of
+// them run at once. With kCluster it returns cudaErrorInvalidClusterSize, launching nothing,
+// when not one cluster fits on the device.
+template <bool kCluster, class... Extra>
+cudaError_t launch_rows(void (*kernel)(NormArgs, NormPlan, Extra...), const NormArgs& a,
+                        NormPlan& p, int sms, cudaStream_t stream, size_t smem = 0,
+                        bool persistent = true, Extra... extra) {
   cudaError_t err = cudaSuccess;
   // The opt-in for dynamic shared memory, before the occupancy queries that count it. Needed
   // only where static and dynamic together pass 48 KB, but asking for the static size would
@@ -581,7 +604,7 @@ cudaError_t launch_rows(void (*kernel)(NormArgs, NormPlan), const NormArgs& a, N
   if (persistent)
     p.row_blocks = std::min<int64_t>(p.row_blocks, std::max<int64_t>(fit / a.ngroups, 1));
   config.gridDim = dim3(unsigned(p.row_blocks * a.ngroups * p.cluster));
-  return cudaLaunchKernelEx(&config, kernel, a, p);
+  return cudaLaunchKernelEx(&config, kernel, a, p, extra...);
 }
 
 template <int kDt, int kRt>

@@ -9,29 +9,35 @@
 // H200, % of copy, direct timing, held against plain with 4 slices a thread: LayerNorm, bf16,
 // float32 weight and bias, 76 / 88 at 2048 columns, 77 / 84 at 8192, 70 / 81 at 16384; with
 // bf16 weight and bias 74 / 90 at 8192; RMSNorm 89 / 94 at 8192 (the shapes the plan now takes,
-// and the prefetch of rows ahead, are in norm_plan.h). Prefetching the weight and bias into L1 with x's loads
-// (prefetch.global.L1) cost a third of that speed and more; loading the first two slices' before
-// the statistics, rather than after, moved LayerNorm by -4 to +2 points. One block a row, not
-// persistent (a new block starts loading the moment one ends). Included only by the
-// instantiation files.
+// and the prefetch of rows ahead, are in norm_plan.h). Prefetching the weight and bias into L1
+// with x's loads (prefetch.global.L1) cost a third of that speed and more; loading the first
+// two slices' before the statistics, rather than after, moved LayerNorm by -4 to +2 points. One
+// block (or one cluster, past kPlainCtaSlices) a row, not persistent (a new block starts loading
+// the moment one ends). Included only by the instantiation files.
 #pragma once
 
 #include "norm_fast.cuh"
 
 namespace ssm {
 
-// One row of norm_fwd_plain_kernel with the weight (and bias) in dtype W.
-template <Dtype D, Dtype W, bool kLayer, int K, int kMaxThreads, bool kStream>
+// One row of norm_fwd_plain_kernel with the weight (and bias) in dtype W: the block's share of
+// it, slices [first, first + n) (all of it without kCluster).
+template <Dtype D, Dtype W, bool kLayer, int K, int kMaxThreads, bool kStream, bool kCluster>
 __device__ __forceinline__ void plain_row(const NormArgs& a, const NormPlan& p, int ahead,
-                                          float (&red)[2][kMaxThreads / 32]) {
+                                          float* red,
+                                          norm_detail::ClusterInbox<kLayer ? 3 : 1>& inbox) {
   using namespace norm_detail;
-  const int T = p.threads, lane = threadIdx.x, n = p.nslices;
-  const int64_t r = blockIdx.x;
-  const uint4* x = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.x.data) +
-                                                  r * a.x.stride[0]);
+  const int T = p.threads, lane = threadIdx.x;
+  const int rank = kCluster ? int(blockIdx.x % p.cluster) : 0;
+  const int first = rank * p.cta_slices;
+  const int n = kCluster ? min(p.cta_slices, p.nslices - first) : p.nslices;
+  const int64_t r = kCluster ? blockIdx.x / p.cluster : blockIdx.x;
+  const uint16_t* x_row = static_cast<const uint16_t*>(a.x.data) + r * a.x.stride[0];
+  const uint4* x = reinterpret_cast<const uint4*>(x_row) + first;
   const bool bias = a.bias.present();
   const void* wp = a.weight.data;
   const void* bp = a.bias.data;
+  auto col = [&](int v) { return int64_t(first + v) * kSlice; };
 
   uint4 xs[K];
 #pragma unroll
@@ -40,16 +46,16 @@ __device__ __forceinline__ void plain_row(const NormArgs& a, const NormPlan& p, 
     xs[k] = v < n ? (kStream ? __ldcs(x + v) : x[v]) : make_uint4(0, 0, 0, 0);
   }
   if (ahead > 0 && lane == 0 && r + ahead < a.rows)
-    prefetch_l2_bulk(static_cast<const uint16_t*>(a.x.data) + (r + ahead) * a.x.stride[0],
-                     unsigned(n) * 16);
+    prefetch_l2_bulk(x_row + ahead * a.x.stride[0] + col(0), unsigned(n) * 16);
+  if (kCluster) cluster_inbox_ready();
   Slice ws[2], bs[2];
   auto fetch_pair = [&](int k0) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int v = lane + (k0 + j) * T;
       if (v >= n) continue;
-      fetch_slice(wp, W, int64_t(v) * kSlice, kSlice, true, ws[j]);
-      if (bias) fetch_slice(bp, W, int64_t(v) * kSlice, kSlice, true, bs[j]);
+      fetch_slice(wp, W, col(v), kSlice, true, ws[j]);
+      if (bias) fetch_slice(bp, W, col(v), kSlice, true, bs[j]);
     }
   };
   auto widen = [&](int k, Slice& f) {
@@ -58,49 +64,42 @@ __device__ __forceinline__ void plain_row(const NormArgs& a, const NormPlan& p, 
     widen_slice(D, true, f);
   };
 
-  const float inv_len = 1.f / float(a.group_size);
-  float sum[1] = {0.f};
+  // The slices past n hold zeros, so every sum may run over all K.
+  float sum = 0.f;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     Slice f;
     widen(k, f);
 #pragma unroll
-    for (int e = 0; e < kSlice; ++e) sum[0] += kLayer ? f[e] : f[e] * f[e];
+    for (int e = 0; e < kSlice; ++e) sum += kLayer ? f[e] : f[e] * f[e];
   }
-  float mean = 0.f, var = 0.f;
-  if (kLayer && n == K * T) {
-    // Every lane holds K whole slices: the row's moments in one round.
-    mean = sum[0] * (1.f / float(K * kSlice));
-    float m2 = 0.f;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      Slice f;
-      widen(k, f);
-#pragma unroll
-      for (int e = 0; e < kSlice; ++e) m2 += (f[e] - mean) * (f[e] - mean);
-    }
-    segment_moments<kMaxThreads>(mean, m2, float(K * kSlice), T, red[0], red[1]);
-    var = m2 * inv_len;
-  } else if (kLayer) {
-    segment_sum<1, kMaxThreads>(sum, T, red[0], true);
-    mean = sum[0] * inv_len;
-    float dev[1] = {0.f};
+  const float inv_len = 1.f / float(a.group_size);
+  float mean = 0.f, var;
+  if constexpr (kLayer) {
+    // The row's moments in one round: each thread's from its own slices, then merged.
+    const int held = lane < n ? (n - 1 - lane) / T + 1 : 0;
+    const float count = float(held * kSlice);
+    Moments m = {count > 0.f ? __fdividef(sum, count) : 0.f, 0.f, count};
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       if (lane + k * T >= n) continue;
       Slice f;
       widen(k, f);
 #pragma unroll
-      for (int e = 0; e < kSlice; ++e) dev[0] += (f[e] - mean) * (f[e] - mean);
+      for (int e = 0; e < kSlice; ++e) m[1] += (f[e] - m[0]) * (f[e] - m[0]);
     }
-    segment_sum<1, kMaxThreads>(dev, T, red[1], true);
-    var = dev[0] * inv_len;
+    segment_moments<kMaxThreads>(m, T, red, n % T == 0);
+    if constexpr (kCluster) cluster_reduce(m, inbox, p.cluster, rank, 0, MergeMoments());
+    mean = m[0];
+    var = m[1] * inv_len;
   } else {
-    segment_sum<1, kMaxThreads>(sum, T, red[0], true);
-    var = sum[0] * inv_len;
+    float q[1] = {sum};
+    segment_sum<1, kMaxThreads>(q, T, red, true);
+    if constexpr (kCluster) cluster_push_sum(q, inbox, p.cluster, rank, 0);
+    var = q[0] * inv_len;
   }
   const float rstd = rsqrtf(var + a.eps);
-  if (lane == 0) {
+  if (lane == 0 && rank == 0) {
     if (a.mean.present()) store_stat(a.mean, r, 0, mean);
     if (a.rstd.present()) store_stat(a.rstd, r, 0, rstd);
   }
@@ -124,45 +123,69 @@ __device__ __forceinline__ void plain_row(const NormArgs& a, const NormPlan& p, 
         f[e] = (f[e] - mean) * rstd * s;
         if (bias) f[e] += bs[j][e];
       }
-      store_slice(y, D, int64_t(v) * kSlice, kSlice, true, f, kStream);
+      store_slice(y, D, col(v), kSlice, true, f, kStream);
     }
   }
 }
 
 // kDt: x and y (16-bit); kLayer: LayerNorm, else RMSNorm; K slices a thread in blocks of up to
 // kMaxThreads, kMinBlocks of them an SM. kStream: x loaded and y stored as streaming, first out
-// of the caches (ld/st.global.cs), so the weight and bias every row reads again stay.
-template <int kDt, bool kLayer, int K, int kMaxThreads, int kMinBlocks, bool kStream = false>
+// of the caches (ld/st.global.cs), so the weight and bias every row reads again stay. kCluster:
+// the p.cluster CTAs of a thread-block cluster share each row, p.cta_slices slices each, and
+// merge their statistics through distributed shared memory (cluster_reduce); sm_90 and later.
+template <int kDt, bool kLayer, int K, int kMaxThreads, int kMinBlocks, bool kStream,
+          bool kCluster>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     norm_fwd_plain_kernel(const NormArgs a, const NormPlan p, int ahead) {
+  using namespace norm_detail;
   constexpr Dtype D = Dtype(kDt);
   static_assert(D != Dtype::F32, "x is held packed, two elements a register");
-  __shared__ float red[2][kMaxThreads / 32];
+  __shared__ float red[3 * kMaxThreads / 32];
+  __shared__ ClusterInbox<kLayer ? 3 : 1> inbox[1];
+  if (kCluster) cluster_inbox_init(inbox);
   if (a.weight.dtype == Dtype::F32)
-    plain_row<D, Dtype::F32, kLayer, K, kMaxThreads, kStream>(a, p, ahead, red);
+    plain_row<D, Dtype::F32, kLayer, K, kMaxThreads, kStream, kCluster>(a, p, ahead, red,
+                                                                         inbox[0]);
   else
-    plain_row<D, D, kLayer, K, kMaxThreads, kStream>(a, p, ahead, red);
+    plain_row<D, D, kLayer, K, kMaxThreads, kStream, kCluster>(a, p, ahead, red, inbox[0]);
+}
+
+// The kernel of each shape (norm_plan.h): 8 slices a thread in up to 128 threads six blocks an
+// SM or 256 three, 4 in up to kPlainNarrowThreads four blocks an SM or kNormMaxThreads two. The
+// LayerNorm in 256 threads streams x and y: one H200, % of copy, direct timing, 79-87 -> 89.5 at
+// 16384 columns (91 with a bf16 weight), level at 12288; at 8192 (and for RMSNorm) it lost,
+// 91.6 -> 89.
+constexpr int kPlainNarrow8 = 6, kPlainWide8 = 3, kPlainNarrow4 = 4, kPlainWide4 = 2;
+template <int kDt, bool kCluster>
+void (*plain_kernel(bool layer, int slices, bool wide))(NormArgs, NormPlan, int) {
+  constexpr int N = kPlainNarrowThreads;
+  if (slices == 8) {
+    if (layer)
+      return wide ? norm_fwd_plain_kernel<kDt, true, 8, N, kPlainWide8, true, kCluster>
+                  : norm_fwd_plain_kernel<kDt, true, 8, N / 2, kPlainNarrow8, false, kCluster>;
+    return wide ? norm_fwd_plain_kernel<kDt, false, 8, N, kPlainWide8, false, kCluster>
+                : norm_fwd_plain_kernel<kDt, false, 8, N / 2, kPlainNarrow8, false, kCluster>;
+  }
+  if (layer) return norm_fwd_plain_kernel<kDt, true, 4, N, kPlainNarrow4, false, kCluster>;
+  return wide ? norm_fwd_plain_kernel<kDt, false, 4, kNormMaxThreads, kPlainWide4, false, kCluster>
+              : norm_fwd_plain_kernel<kDt, false, 4, N, kPlainNarrow4, false, kCluster>;
 }
 
 template <int kDt>
-cudaError_t launch_norm_fwd_plain(const NormArgs& a, const NormPlan& p, int slices, int sms,
+cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, int sms,
                                   cudaStream_t stream) {
-  // Blocks an SM of each shape (norm_plan.h): 8 slices a thread in up to 128 or 256 threads,
-  // 4 in up to kPlainNarrowThreads or kNormMaxThreads. The LayerNorm past 1024 slices streams x
-  // and y: one H200, % of copy, direct timing, 79-87 -> 89.5 at 16384 columns (91 with a bf16
-  // weight), level at 12288; at 8192 (and for RMSNorm) it lost, 91.6 -> 89.
-  constexpr int N = kPlainNarrowThreads, kNarrow8 = 6, kWide8 = 3, kNarrow4 = 4, kWide4 = 2;
+  constexpr int N = kPlainNarrowThreads;
   const bool wide = slices == 8 ? p.threads > N / 2 : p.threads > N;
-  auto kernel = slices == 8 ? (wide ? norm_fwd_plain_kernel<kDt, true, 8, N, kWide8, true>
-                                    : norm_fwd_plain_kernel<kDt, true, 8, N / 2, kNarrow8>)
-                : a.layer_norm ? norm_fwd_plain_kernel<kDt, true, 4, N, kNarrow4>
-                : wide         ? norm_fwd_plain_kernel<kDt, false, 4, kNormMaxThreads, kWide4>
-                               : norm_fwd_plain_kernel<kDt, false, 4, N, kNarrow4>;
-  // Past 1024 slices a block fetches the row one wave of blocks ahead into L2 (norm_plan.h).
-  const int per_sm = slices == 8 ? (wide ? kWide8 : kNarrow8) : (wide ? kWide4 : kNarrow4);
-  const int ahead = p.nslices > 1024 ? sms * per_sm : 0;
-  kernel<<<unsigned(a.rows), unsigned(p.threads), 0, stream>>>(a, p, ahead);
-  return cudaGetLastError();
+  const bool cluster = p.cluster > 1;
+  auto kernel = cluster ? plain_kernel<kDt, true>(a.layer_norm, slices, wide)
+                        : plain_kernel<kDt, false>(a.layer_norm, slices, wide);
+  // Past 1024 slices a block fetches its share of the row one wave of blocks ahead into L2
+  // (norm_plan.h).
+  const int per_sm = slices == 8 ? (wide ? kPlainWide8 : kPlainNarrow8)
+                                 : (wide ? kPlainWide4 : kPlainNarrow4);
+  const int ahead = p.nslices > 1024 ? sms * per_sm / p.cluster : 0;
+  return cluster ? launch_rows<true>(kernel, a, p, sms, stream, 0, false, ahead)
+                 : launch_rows<false>(kernel, a, p, sms, stream, 0, false, ahead);
 }
 
 }  // namespace ssm

@@ -145,25 +145,36 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int
                                  cudaStream_t stream);
 
 // The plain forward (norm_plain.cuh): whole rows of 16-bit x without a residual or a gate,
-// from 128 to 2048 slices (1024 to 16384 columns), weight given in float32 or x's dtype, bias
-// (if any) in the weight's. One block a row of p.threads threads, `slices` a thread (the
-// launcher's argument, as for the held forward):
-// - 4 (RMSNorm, and LayerNorm below 1024 slices), in up to kPlainNarrowThreads threads four
-//   blocks an SM (64 registers), beyond that in up to 512 threads two blocks an SM;
-// - 8 (LayerNorm from 1024 slices), in 128 threads six blocks an SM or 256 threads three (80
-//   registers): more rows in flight an SM, one reduction round a row for more elements. One
+// from 128 slices (1024 columns), weight given in float32 or x's dtype, bias (if any) in the
+// weight's. One block a row of p.threads threads up to kPlainCtaSlices slices; past that the
+// ceil(nslices / kPlainCtaSlices) CTAs of a cluster share a row (p.cluster, p.cta_slices each;
+// sm_90 and later, up to kMaxCluster), adding their statistics through distributed shared
+// memory. `slices` a thread (the launcher's argument, as for the held forward; plain_slices):
+// - 4 below 512 slices a CTA, and for an RMSNorm whose CTA share is a power of two (every lane
+//   of a power-of-two block full), in up to kPlainNarrowThreads threads four blocks an SM (64
+//   registers), beyond that in up to 512 threads two blocks an SM;
+// - 8 otherwise, in up to 128 threads six blocks an SM or 256 threads three (80 registers):
+//   more rows in flight an SM, and fewer idle lanes where a share is not a power of two. One
 //   H200, % of copy, direct timing, 4 slices a thread against 8: LayerNorm 85-86 / 87-92 at 8192
-//   columns, 74 / 80-84 at 12288, 81 / 81-83 at 16384; but 80 / 60 at 1024, and RMSNorm 94 /
-//   88-91 at 8192.
-// Past 1024 slices each block also fetches into L2 the row one wave of blocks ahead will take
-// (a bulk prefetch): LayerNorm 83 / 86 at 12288 and 84 / 86 at 16384, RMSNorm 92 / 95 at
-// 16384; at 8192 columns it lost (91 / 87), and two waves ahead lost everywhere (67-77).
-constexpr int kPlainNarrowThreads = 256;
-inline int plain_slices(bool layer_norm, int nslices) {
-  return layer_norm && nslices >= 1024 ? 8 : 4;
+//   columns, 74 / 80-84 at 12288, 81 / 81-83 at 16384, 71 / 81 at 5120, 78 / 86 at 6144, 82 /
+//   90 at 7168, 90 / 94 at 4096; but 80 / 60 at 1024; RMSNorm 88 / 97 at 5120, 94 / 96 at 6144,
+//   in clusters 81 / 90 at 20480 (two CTAs of 1280 slices), 76 / 85 at 40960; but where a share
+//   of 4 a thread fills its lanes, 94 / 88-91 at 8192 and 93 / 80 at 32768 (two CTAs of 2048).
+// Past 1024 slices each block also fetches into L2 its share of the row one wave of blocks
+// ahead will take (a bulk prefetch): LayerNorm 83 / 86 at 12288 and 84 / 86 at 16384, RMSNorm
+// 92 / 95 at 16384, and in clusters 66-82 / 81-93 (RMSNorm, 20480 to 65536 columns); at 8192
+// columns it lost (91 / 87), and two waves ahead lost everywhere (67-77).
+// The clusters against the forward that took those rows before (held clusters, or one plain
+// held CTA of 1024 threads for an RMSNorm): LayerNorm 45-57 / 60-77 from 20480 to 65536 columns,
+// RMSNorm 63-76 / 85-92. A LayerNorm's CTAs still lose a fifth of the speed one CTA of the same
+// shape reaches (77 at 32768 columns, 93 at 16384); CTAs of 1024 slices did no better (69-74).
+constexpr int kPlainNarrowThreads = 256, kPlainCtaSlices = 2048;
+inline int plain_slices(bool layer_norm, int share) {
+  if (share < 512 || (!layer_norm && (share & (share - 1)) == 0)) return 4;
+  return 8;
 }
 template <int kDt>
-cudaError_t launch_norm_fwd_plain(const NormArgs& a, const NormPlan& p, int slices, int sms,
+cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, int sms,
                                   cudaStream_t stream);
 
 // The ring backward (norm_ring.cuh): whole rows of 16-bit x and dy without a residual stream or

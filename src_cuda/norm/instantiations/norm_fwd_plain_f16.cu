@@ -2,5 +2,5 @@
 #include "../norm_plain.cuh"
 
 namespace ssm {
-template cudaError_t launch_norm_fwd_plain<1>(const NormArgs&, const NormPlan&, int, int, cudaStream_t);
+template cudaError_t launch_norm_fwd_plain<1>(const NormArgs&, NormPlan&, int, int, cudaStream_t);
 }  // namespace ssm
