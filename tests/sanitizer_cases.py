@@ -65,9 +65,9 @@ def run_scan_cases():
 # gate, in one plain CTA for an RMSNorm of 16-bit rows beside a stream of their dtype (24584 and
 # 32768 below) and on clusters otherwise (24584 half: 2 CTAs, 40000 float32: 5, 65536 bf16: 4,
 # 32768 bf16 beside a float32 stream: 2) and staged on clusters with one (40000 bf16: 8, 14336
-# float32: 7); the backward on clusters past 8192 16-bit columns, or without a residual up to
-# 16384 through a ring of shared-memory stages. Padded rows and other mixes take the general
-# kernels.
+# float32: 7); the backward on clusters past 8192 16-bit columns, or without a residual through
+# a ring of shared-memory stages (one CTA a row up to 16384 columns, a cluster past that).
+# Padded rows and other mixes take the general kernels.
 NORM_CASES = [
     (7, 1, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.float32),
     (33, 7, 1, "layer", torch.float16, torch.float16, True, True, 0, torch.float32),
@@ -114,11 +114,13 @@ NORM_CASES = [
     (5, 8240, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (37, 24584, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (7, 40960, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
-    # The ring backward (16-bit rows without a residual, 1025 to 2048 slices): a LayerNorm at
-    # 1537 slices (the last lanes' fourth slice idle) and an RMSNorm at 1025, enough rows that
-    # every CTA walks its ring of stages more than once.
+    # The ring backward (16-bit rows without a residual, from 1025 slices): a LayerNorm at 1537
+    # slices (the last lanes' fourth slice idle), an RMSNorm at 1025, and past 2048 slices on
+    # clusters a LayerNorm of two CTAs of 1537 and 1536 slices, enough rows that every CTA walks
+    # its ring of stages more than once.
     (600, 12296, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (301, 8200, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
+    (300, 24584, 0, "layer", torch.float16, torch.float32, False, True, 0, None),
     # The staged forward without a gate: an RMSNorm of 16-bit rows beside their dtype, 769 slices.
     (5, 6152, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     # The staged forward with a gate on groups of 33 slices (16 threads a segment).

@@ -85,15 +85,20 @@ PLAIN_ROWS = (
     BASE.replace(hidden=20480, lead=(5,)),
     BASE.replace(hidden=65536, bias=True, lead=(3,)),
 )
-# The ring backward (norm_ring.cuh) takes 16-bit rows without a residual or a gate from 1025 to
-# 2048 slices (test_ring_rows): enough rows that each CTA walks its ring of three stages several
-# times (LayerNorm at 16384 columns, 512 threads every lane full), 1537 slices (the last lanes'
-# fourth slice idle; zero-centred RMSNorm) and 1025, the fewest (RMSNorm with a bias: the mean
-# terms and dbias).
+# The ring backward (norm_ring.cuh) takes 16-bit rows without a residual or a gate from 1025
+# slices (test_ring_rows), enough rows that each CTA (or cluster) walks its ring of three stages
+# several times: a LayerNorm at 16384 columns (512 threads, every lane full), 1537 slices (the
+# last lanes' fourth slice idle; zero-centred RMSNorm) and 1025, the fewest (RMSNorm with a bias:
+# the mean terms and dbias). Past 2048 slices the CTAs of a cluster share a row: a LayerNorm of
+# two CTAs of 1537 and 1536 slices (24584 columns), a zero-centred RMSNorm of three (40960) and
+# one with a bias of four (65536).
 RING_ROWS = (
     LAYER.replace(hidden=16384, lead=(1000,)),
     BASE.replace(hidden=12296, zero_centered_weight=True, lead=(601,)),
     BASE.replace(hidden=8200, bias=True, lead=(300,)),
+    LAYER.replace(hidden=24584, lead=(400,)),
+    BASE.replace(hidden=40960, zero_centered_weight=True, lead=(250,)),
+    BASE.replace(hidden=65536, bias=True, lead=(170,)),
 )
 AWKWARD_ROWS = CLUSTER_ROWS + HELD_ROWS + PLAIN_ROWS + RING_ROWS + (
     GATED.replace(hidden=1, group_size=0, lead=(5000,)),

@@ -442,14 +442,16 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   return cuda_status(err, "norm_fwd launch");
 }
 
-// Whether the ring backward (norm_plan.h) takes the call: it copies with the bulk-copy engine,
-// sm_90 code like the clusters'.
-bool ring_takes(const NormArgs& a, LeanDtypes d, int device) {
+// The CTAs of the ring backward's cluster (norm_plan.h) when it takes the call, or 0: it copies
+// with the bulk-copy engine, sm_90 code like the clusters'.
+int ring_cluster(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
-  return d.ok && Dtype(d.dt) != Dtype::F32 && d.rt == d.dt && a.rows > 0 &&
-         !a.dresidual_out.present() && !a.dresidual.present() && !a.z.present() &&
-         a.ngroups == 1 && nslices >= kRingMinSlices && nslices <= kRingMaxSlices &&
-         cluster_kernels_run(device);
+  const int cluster = int(ceil_div(nslices, kRingMaxSlices));
+  const bool takes = d.ok && Dtype(d.dt) != Dtype::F32 && d.rt == d.dt && a.rows > 0 &&
+                     !a.dresidual_out.present() && !a.dresidual.present() && !a.z.present() &&
+                     a.ngroups == 1 && nslices >= kRingMinSlices && cluster <= kMaxCluster &&
+                     a.rows <= INT_MAX / cluster && cluster_kernels_run(device);
+  return takes ? cluster : 0;
 }
 
 ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* stream) {
@@ -459,7 +461,8 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   const int dt = common_row_dtype(a);
   const bool vec = can_vectorize(a);
   const LeanDtypes lean = bwd_lean_dtypes(a, vec);
-  const bool ring = ring_takes(a, lean, device);
+  const int ring_ctas = ring_cluster(a, lean, device);
+  bool ring = ring_ctas > 0;
   int cluster = lean.ok && !ring ? lean_cluster(slices_of(a), device) : 0;
   const bool sums = a.dweight.present() || a.dbias.present();
   float* partial = static_cast<float*>(workspace);
@@ -473,7 +476,7 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   };
   if (ring) {
     const int64_t partial_rows = setup.partial_rows;
-    p = shape_plan(a, kRingSlices);
+    p = shape_plan(a, kRingSlices, ring_ctas);
     p.block = p.threads;
     p.row_blocks = std::min<int64_t>(a.rows, partial_rows);
     setup.fused = true;
@@ -488,6 +491,12 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
       err = Dtype(lean.dt) == Dtype::F16 ? launch_norm_bwd_ring<int(Dtype::F16)>(a, p, sms, s)
                                          : launch_norm_bwd_ring<int(Dtype::BF16)>(a, p, sms, s);
       setup.partial_rows = p.row_blocks;  // as the launcher lowered it
+      if (err == cudaErrorInvalidClusterSize) {
+        // Not one cluster fits on this device: the general kernels.
+        ring = false;
+        setup = BwdSetup(a, device, 0);
+        prepare();
+      }
     } else if (cluster > 0) {
       err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
         constexpr int D = decltype(dt)::value, R = decltype(rt)::value;

@@ -10,7 +10,7 @@
 // threads (8192 16-bit columns); longer segments, up to 65536 columns, are shared by the CTAs of
 // a thread-block cluster (kCluster, sm_90 and later; norm_plan.h) that add their partial sums
 // through distributed shared memory, so every row is still read from DRAM once (the norm alone
-// on 16-bit rows from 8193 to 16384 columns takes the ring backward instead, norm_ring.cuh).
+// on 16-bit rows past 8192 columns takes the ring backward instead, norm_ring.cuh).
 // Both take the gate where every row-shaped operand has one dtype. Included only by the
 // instantiation files.
 #pragma once

@@ -178,19 +178,27 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
                                   cudaStream_t stream);
 
 // The ring backward (norm_ring.cuh): whole rows of 16-bit x and dy without a residual stream or
-// a gate, from kRingMinSlices to kRingMaxSlices slices (past the 8192 columns one lean CTA holds,
-// where the lean backward takes clusters, up to the 16384 whose three stages fill an SM's shared
-// memory), kRingSlices a thread in one CTA of p.threads, the rows copied by the bulk-copy engine
-// into a ring of kRingStages shared-memory stages (ring_bytes), each row's copies issued two rows
-// ahead. One H200, bf16, float32 weight, % of copy, direct timing, clusters against the ring:
-// LayerNorm 70 / 81 at 12288 columns, 71 / 84 at 16384; RMSNorm 78 / 90 at 16384. Below that it
-// lost to one lean CTA (LayerNorm 81 / 67 at 4096 and 8192 columns, RMSNorm 89 / 79 at 8192).
+// a gate, from kRingMinSlices slices (past the 8192 columns one lean CTA holds), kRingSlices a
+// thread in one CTA of p.threads, the rows copied by the bulk-copy engine into a ring of
+// kRingStages shared-memory stages (ring_bytes), each row's copies issued two rows ahead. Up to
+// kRingMaxSlices (16384 columns, whose three stages fill an SM's shared memory) one CTA holds a
+// row; past that the ceil(nslices / kRingMaxSlices) CTAs of a cluster share it (p.cluster,
+// p.cta_slices each; it returns cudaErrorInvalidClusterSize, launching nothing, when not one
+// cluster fits on the device). One H200, bf16, float32 weight, % of copy, direct timing:
+// - one CTA, against the lean clusters: LayerNorm 70 / 81 at 12288 columns, 71 / 84 at 16384;
+//   RMSNorm 78 / 90 at 16384. Below that it lost to one lean CTA (LayerNorm 81 / 67 at 4096 and
+//   8192 columns, RMSNorm 89 / 79 at 8192).
+// - clusters, against the lean clusters up to 32768 columns and the general kernels beyond:
+//   LayerNorm 67-71 / 72-78 from 20480 to 32768, 60-67 / 69-75 from 40960 to 65536; RMSNorm
+//   76-79 / 81-89 from 24576 to 32768, 69-77 / 83 from 49152 to 65536, level at 20480 (78 / 76)
+//   and 40960 (72 / 74), where a CTA's share is least (1280 and 1707 slices): each row waits
+//   on its cluster's sums, and the less a share holds, the more of a row's time that wait is.
 // p.row_blocks: at most the partial rows the workspace holds; the launcher lowers it to the CTAs
-// that run at once.
+// (clusters) that run at once.
 constexpr int kRingSlices = 4, kRingStages = 3;
 constexpr int kRingMinSlices = 2 * kNormMaxThreads + 1, kRingMaxSlices = 2048;
 inline size_t ring_bytes(const NormPlan& p) {
-  return size_t(kRingStages) * 2 * size_t(p.nslices) * 16;
+  return size_t(kRingStages) * 2 * size_t(p.cta_slices) * 16;
 }
 template <int kDt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);

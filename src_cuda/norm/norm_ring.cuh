@@ -5,13 +5,14 @@
 // its 128 registers a thread allow 512 threads an SM, 32 KB of x and dy in flight an SM at 16384
 // columns, shared by the four CTAs of a cluster that meet every row: 71% of copy (one H200,
 // LayerNorm, bf16, direct timing). Here one thread a CTA issues each row's copies two rows ahead
-// (128 KB an SM at 16384 columns) and no register holds them; a CTA holds whole rows, so no
-// cluster: 84% (norm_plan.h). Each thread reads its slices from the stage twice (the sums, then
-// dx after the row's reduction), so no register keeps x or dy across the reduction.
+// (128 KB an SM at 16384 columns) and no register holds them; a CTA holds whole rows up to 16384
+// columns, so no cluster there: 84% (norm_plan.h). Past that the CTAs of a cluster share a row,
+// each with a ring of its share. Each thread reads its slices from the stage twice (the sums,
+// then dx after the row's reduction), so no register keeps x or dy across the reduction.
 //
-// Persistent: one CTA a row block, rows blockIdx.x, blockIdx.x + gridDim.x, ...; its dweight and
-// dbias sums are row blockIdx.x of p.partial (p.row_blocks == gridDim.x). Included only by the
-// instantiation files.
+// Persistent: one CTA (cluster) a row block, rows b, b + row blocks, ...; its dweight and dbias
+// sums are row b of p.partial (p.row_blocks row blocks). Included only by the instantiation
+// files.
 #pragma once
 
 #include "../common/bulk_copy.cuh"
@@ -30,8 +31,12 @@ __device__ __forceinline__ void unpack_slice(Dtype d, const uint4& raw, Slice& f
 }  // namespace norm_detail
 
 // kDt: x, dy and dx (16-bit); kFull: LayerNorm, or a dbias wanted (the mean and the sum of w dy,
-// the dbias sums), as in the lean backward. K slices a thread (lane + k * threads).
-template <int kDt, bool kFull, int K>
+// the dbias sums), as in the lean backward. K slices a thread (lane + k * threads). kCluster: the
+// p.cluster CTAs of a thread-block cluster share each row, p.cta_slices slices each, and add
+// their sums through distributed shared memory (cluster_push_sum); sm_90 and later. Persistent
+// clusters then: cluster c takes rows c, c + clusters, ..., its dweight and dbias sums row c of
+// p.partial, each CTA its own columns.
+template <int kDt, bool kFull, int K, bool kCluster>
 __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const NormArgs a,
                                                                            const NormPlan p) {
   using namespace norm_detail;
@@ -41,23 +46,33 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
   static_assert(D != Dtype::F32, "a slice of x is one 16-byte copy");
   __shared__ uint64_t landed[S];
   __shared__ float red[2][kNormMaxThreads / 32 * M];
-  // Stage s: the row's x (p.nslices 16-byte slices), then its dy.
+  // Two inboxes in turn, as cluster_push_sum asks of a kernel that sums every row.
+  __shared__ ClusterInbox<M> inbox[2];
+  if (kCluster) cluster_inbox_init(inbox);
+  // Stage s: the CTA's share of the row's x (p.cta_slices 16-byte slices), then of its dy.
   extern __shared__ uint4 ring[];
-  const int T = p.threads, lane = threadIdx.x, n = p.nslices;
-  const unsigned row_bytes = unsigned(n) * 16u;
-  const int64_t step = gridDim.x;
+  const int T = p.threads, lane = threadIdx.x;
+  const int rank = kCluster ? int(blockIdx.x % p.cluster) : 0;
+  const int first = rank * p.cta_slices;
+  const int n = kCluster ? min(p.cta_slices, p.nslices - first) : p.nslices;
+  const int stride = kCluster ? p.cta_slices : p.nslices;
+  const unsigned share_bytes = unsigned(n) * 16u;
+  const int64_t row0 = kCluster ? blockIdx.x / p.cluster : blockIdx.x;
+  const int64_t step = kCluster ? gridDim.x / p.cluster : gridDim.x;
+  auto col = [&](int v) { return int64_t(first + v) * kSlice; };
 
   // Thread 0: the copies of the block's j-th row into stage j % S, if that row exists.
   auto issue = [&](int j) {
-    const int64_t r = blockIdx.x + int64_t(j) * step;
+    const int64_t r = row0 + int64_t(j) * step;
     if (r >= a.rows) return;
-    uint4* stage = ring + size_t(j % S) * 2 * n;
+    uint4* stage = ring + size_t(j % S) * 2 * stride;
     uint64_t* bar = &landed[j % S];
-    mbarrier_expect_bytes(bar, 2 * row_bytes);
-    bulk_copy_to_shared(stage, static_cast<const uint16_t*>(a.x.data) + r * a.x.stride[0],
-                        row_bytes, bar);
-    bulk_copy_to_shared(stage + n, static_cast<const uint16_t*>(a.dy.data) + r * a.dy.stride[0],
-                        row_bytes, bar);
+    mbarrier_expect_bytes(bar, 2 * share_bytes);
+    bulk_copy_to_shared(stage, static_cast<const uint16_t*>(a.x.data) + r * a.x.stride[0] + col(0),
+                        share_bytes, bar);
+    bulk_copy_to_shared(stage + stride,
+                        static_cast<const uint16_t*>(a.dy.data) + r * a.dy.stride[0] + col(0),
+                        share_bytes, bar);
   };
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -67,16 +82,17 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
   }
   Slice w[K], dw[K] = {}, db[K] = {};
 #pragma unroll
-  for (int k = 0; k < K; ++k) slice_scale(a, lane + k * T < n, int64_t(lane + k * T) * kSlice, w[k]);
+  for (int k = 0; k < K; ++k) slice_scale(a, lane + k * T < n, col(lane + k * T), w[k]);
   __syncthreads();  // the mbarriers are ready
+  if (kCluster) cluster_inbox_ready();
 
   const float inv_len = 1.f / float(a.group_size);
   int j = 0;
-  for (int64_t r = blockIdx.x; r < a.rows; r += step, ++j) {
+  for (int64_t r = row0; r < a.rows; r += step, ++j) {
     const float mean = kFull && a.layer_norm ? load_stat(a.mean, r, 0) : 0.f;
     const float rstd = load_stat(a.rstd, r, 0);
-    const uint4* xs = ring + size_t(j % S) * 2 * n;
-    const uint4* dys = xs + n;
+    const uint4* xs = ring + size_t(j % S) * 2 * stride;
+    const uint4* dys = xs + stride;
     mbarrier_wait(&landed[j % S], unsigned(j / S) & 1u);
     float acc[M] = {};
 #pragma unroll
@@ -100,6 +116,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
     segment_sum<M>(acc, T, red[j & 1], true);
     // Past that barrier every thread is done with the previous row's stage: refill it.
     if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
+    if constexpr (kCluster) cluster_push_sum(acc, inbox[j & 1], p.cluster, rank, (j >> 1) & 1);
     if (!a.dx.present()) continue;
     const float c1 = acc[0] * inv_len;
     const float c2 = kFull && a.layer_norm ? acc[M - 1] * inv_len : 0.f;
@@ -116,26 +133,31 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
         const float xh = kFull ? (xhat[e] - mean) * rstd : xhat[e] * rstd;
         g[e] = rstd * (g[e] * w[k][e] - fmaf(xh, c1, c2));
       }
-      store_slice(dx, D, int64_t(v) * kSlice, kSlice, true, g);
+      store_slice(dx, D, col(v), kSlice, true, g);
     }
   }
   if (p.partial == nullptr) return;
-  float* const out_w = p.partial + int64_t(blockIdx.x) * a.hidden;
-  float* const out_b = out_w + int64_t(gridDim.x) * a.hidden;
+  float* const out_w = p.partial + row0 * a.hidden;
+  float* const out_b = out_w + step * a.hidden;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int v = lane + k * T;
     if (v >= n) continue;
-    store_slice(out_w, Dtype::F32, int64_t(v) * kSlice, kSlice, true, dw[k]);
-    if (kFull) store_slice(out_b, Dtype::F32, int64_t(v) * kSlice, kSlice, true, db[k]);
+    store_slice(out_w, Dtype::F32, col(v), kSlice, true, dw[k]);
+    if (kFull) store_slice(out_b, Dtype::F32, col(v), kSlice, true, db[k]);
   }
 }
 
 template <int kDt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
   const bool full = a.layer_norm || a.dbias.present();
-  auto kernel = full ? norm_bwd_ring_kernel<kDt, true, kRingSlices>
-                     : norm_bwd_ring_kernel<kDt, false, kRingSlices>;
+  if (p.cluster > 1) {
+    auto kernel = full ? norm_bwd_ring_kernel<kDt, true, kRingSlices, true>
+                       : norm_bwd_ring_kernel<kDt, false, kRingSlices, true>;
+    return launch_rows<true>(kernel, a, p, sms, stream, ring_bytes(p));
+  }
+  auto kernel = full ? norm_bwd_ring_kernel<kDt, true, kRingSlices, false>
+                     : norm_bwd_ring_kernel<kDt, false, kRingSlices, false>;
   return launch_rows<false>(kernel, a, p, sms, stream, ring_bytes(p));
 }
 
