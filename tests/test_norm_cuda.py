@@ -69,8 +69,11 @@ HELD_ROWS = (
 # one at 4096 columns (64 threads), 5120 (5 slices a lane in 128 threads), 8192 (every lane
 # full), 8240 (1030 slices in 256 threads, six lanes holding a fifth: the moments of unequal
 # counts) and 16384. Past 2048 slices the CTAs of a cluster share a row: a LayerNorm of two CTAs
-# of 1537 and 1536 slices (24584 columns) and of four full ones (65536), an RMSNorm of two CTAs
-# of 8 slices a thread, 5 of them held (20480), and of four of 4 slices a thread (65536).
+# of 1537 and 1536 slices (24584 columns), an RMSNorm of two CTAs of 8 slices a thread, 5 of them
+# held (20480). Past 4096 slices the ring forward's clusters of 1024-slice CTAs take them, enough
+# rows that each cluster walks its ring of four stages several times: a LayerNorm of six CTAs of
+# 854 slices, the last 851 (40968 columns), a zero-centred RMSNorm of six full ones (49152), and
+# of eight with a bias (65536; a LayerNorm too, on three rows: fewer rows than clusters).
 PLAIN_ROWS = (
     LAYER.replace(hidden=1024, lead=(3,)),
     LAYER.replace(hidden=1040, lead=(13,)),
@@ -83,7 +86,9 @@ PLAIN_ROWS = (
     LAYER.replace(hidden=24584, lead=(37,)),
     LAYER.replace(hidden=65536, lead=(3,)),
     BASE.replace(hidden=20480, lead=(5,)),
-    BASE.replace(hidden=65536, bias=True, lead=(3,)),
+    LAYER.replace(hidden=40968, lead=(300,)),
+    BASE.replace(hidden=49152, zero_centered_weight=True, lead=(250,)),
+    BASE.replace(hidden=65536, bias=True, lead=(300,)),
 )
 # The ring backward (norm_ring.cuh) takes 16-bit rows without a residual or a gate from 1025
 # slices (test_ring_rows), enough rows that each CTA (or cluster) walks its ring of three stages

@@ -357,6 +357,17 @@ int plain_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   return K;
 }
 
+// The ring forward's CTAs a cluster (norm_plan.h) for a row the plain forward takes, or 0 where
+// it does not take it.
+int ring_fwd_plan(const NormArgs& a, int device) {
+  const int nslices = slices_of(a);
+  const int cluster = int(ceil_div(nslices, kRingFwdCtaSlices));
+  return nslices >= kRingFwdMinSlices && cluster <= kMaxCluster && a.rows <= INT_MAX / cluster &&
+                 cluster_kernels_run(device)
+             ? cluster
+             : 0;
+}
+
 bool staged_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   const int nslices = slices_of(a);
   const int64_t per_slice = staged_slice_bytes(a, Dtype(d.dt), Dtype(d.rt));
@@ -407,6 +418,18 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
                        "norm_fwd launch");
   }
   const int plain = lean.ok ? plain_plan(a, lean, device, p) : 0;
+  const int ring = plain > 0 ? ring_fwd_plan(a, device) : 0;
+  if (ring > 0) {
+    NormPlan rp = shape_plan(a, kRingSlices, ring);
+    rp.block = rp.threads;
+    rp.vec = true;
+    rp.row_blocks = a.rows;
+    const cudaError_t err = Dtype(lean.dt) == Dtype::F16
+                                ? launch_norm_fwd_ring<int(Dtype::F16)>(a, rp, sms, s)
+                                : launch_norm_fwd_ring<int(Dtype::BF16)>(a, rp, sms, s);
+    // Otherwise not one cluster fits on this device: the plain forward.
+    if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
+  }
   if (plain > 0) {
     const cudaError_t err = Dtype(lean.dt) == Dtype::F16
                                 ? launch_norm_fwd_plain<int(Dtype::F16)>(a, p, plain, sms, s)

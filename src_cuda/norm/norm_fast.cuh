@@ -176,6 +176,59 @@ __device__ __forceinline__ void cluster_push_sum(float (&v)[M], ClusterInbox<M>&
   cluster_reduce(v, box, ranks, rank, parity, AddValues());
 }
 
+// One 16-byte slice of 16-bit dtype d, as loaded (two elements a register), widened.
+__device__ __forceinline__ void unpack_slice(Dtype d, const uint4& raw, Slice& f) {
+  f[0] = __uint_as_float(raw.x), f[1] = __uint_as_float(raw.y);
+  f[2] = __uint_as_float(raw.z), f[3] = __uint_as_float(raw.w);
+  widen_slice(d, true, f);
+}
+
+// Mean (0 for RMSNorm) and rstd of a whole row of 16-bit dtype D whose CTA share of n slices
+// the block's T threads hold packed in xs (slices lane + k * T, zeros past n), merged across the
+// p.cluster CTAs of a cluster with kCluster (through `box` at mbarrier `parity`; `rank`: this
+// CTA's). red: the block's reduction buffer, 3 * kMaxThreads / 32 floats.
+template <Dtype D, bool kLayer, int K, int kMaxThreads, bool kCluster>
+__device__ __forceinline__ float2 row_moments(const NormArgs& a, const NormPlan& p,
+                                              const uint4 (&xs)[K], int n, int rank, float* red,
+                                              ClusterInbox<kLayer ? 3 : 1>& box, int parity) {
+  const int T = p.threads, lane = threadIdx.x;
+  // The slices past n hold zeros, so every sum may run over all K.
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    Slice f;
+    unpack_slice(D, xs[k], f);
+#pragma unroll
+    for (int e = 0; e < kSlice; ++e) sum += kLayer ? f[e] : f[e] * f[e];
+  }
+  const float inv_len = 1.f / float(a.group_size);
+  float mean = 0.f, var;
+  if constexpr (kLayer) {
+    // The row's moments in one round: each thread's from its own slices, then merged.
+    const int held = lane < n ? (n - 1 - lane) / T + 1 : 0;
+    const float count = float(held * kSlice);
+    Moments m = {count > 0.f ? __fdividef(sum, count) : 0.f, 0.f, count};
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (lane + k * T >= n) continue;
+      Slice f;
+      unpack_slice(D, xs[k], f);
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) m[1] += (f[e] - m[0]) * (f[e] - m[0]);
+    }
+    segment_moments<kMaxThreads>(m, T, red, n % T == 0);
+    if constexpr (kCluster) cluster_reduce(m, box, p.cluster, rank, parity, MergeMoments());
+    mean = m[0];
+    var = m[1] * inv_len;
+  } else {
+    float q[1] = {sum};
+    segment_sum<1, kMaxThreads>(q, T, red, true);
+    if constexpr (kCluster) cluster_push_sum(q, box, p.cluster, rank, parity);
+    var = q[0] * inv_len;
+  }
+  return make_float2(mean, rsqrtf(var + a.eps));
+}
+
 // The statistics of a segment once each thread has its share of the first sum in `acc`: g
 // (LayerNorm) or g squared (RMSNorm), summed over its elements. dev(mean): a thread's sum of
 // (g - mean)^2 over the same elements (called for LayerNorm only); row_sum(v, i): the segment's

@@ -58,47 +58,9 @@ __device__ __forceinline__ void plain_row(const NormArgs& a, const NormPlan& p, 
       if (bias) fetch_slice(bp, W, col(v), kSlice, true, bs[j]);
     }
   };
-  auto widen = [&](int k, Slice& f) {
-    f[0] = __uint_as_float(xs[k].x), f[1] = __uint_as_float(xs[k].y);
-    f[2] = __uint_as_float(xs[k].z), f[3] = __uint_as_float(xs[k].w);
-    widen_slice(D, true, f);
-  };
-
-  // The slices past n hold zeros, so every sum may run over all K.
-  float sum = 0.f;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    Slice f;
-    widen(k, f);
-#pragma unroll
-    for (int e = 0; e < kSlice; ++e) sum += kLayer ? f[e] : f[e] * f[e];
-  }
-  const float inv_len = 1.f / float(a.group_size);
-  float mean = 0.f, var;
-  if constexpr (kLayer) {
-    // The row's moments in one round: each thread's from its own slices, then merged.
-    const int held = lane < n ? (n - 1 - lane) / T + 1 : 0;
-    const float count = float(held * kSlice);
-    Moments m = {count > 0.f ? __fdividef(sum, count) : 0.f, 0.f, count};
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      if (lane + k * T >= n) continue;
-      Slice f;
-      widen(k, f);
-#pragma unroll
-      for (int e = 0; e < kSlice; ++e) m[1] += (f[e] - m[0]) * (f[e] - m[0]);
-    }
-    segment_moments<kMaxThreads>(m, T, red, n % T == 0);
-    if constexpr (kCluster) cluster_reduce(m, inbox, p.cluster, rank, 0, MergeMoments());
-    mean = m[0];
-    var = m[1] * inv_len;
-  } else {
-    float q[1] = {sum};
-    segment_sum<1, kMaxThreads>(q, T, red, true);
-    if constexpr (kCluster) cluster_push_sum(q, inbox, p.cluster, rank, 0);
-    var = q[0] * inv_len;
-  }
-  const float rstd = rsqrtf(var + a.eps);
+  const float2 stats =
+      row_moments<D, kLayer, K, kMaxThreads, kCluster>(a, p, xs, n, rank, red, inbox, 0);
+  const float mean = stats.x, rstd = stats.y;
   if (lane == 0 && rank == 0) {
     if (a.mean.present()) store_stat(a.mean, r, 0, mean);
     if (a.rstd.present()) store_stat(a.rstd, r, 0, rstd);
@@ -116,7 +78,7 @@ __device__ __forceinline__ void plain_row(const NormArgs& a, const NormPlan& p, 
       widen_slice(W, true, ws[j]);
       if (bias) widen_slice(W, true, bs[j]);
       Slice f;
-      widen(k0 + j, f);
+      unpack_slice(D, xs[k0 + j], f);
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
         const float s = a.zero_centered_weight ? ws[j][e] + 1.f : ws[j][e];

@@ -145,8 +145,9 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int
                                  cudaStream_t stream);
 
 // The plain forward (norm_plain.cuh): whole rows of 16-bit x without a residual or a gate,
-// from 128 slices (1024 columns), weight given in float32 or x's dtype, bias (if any) in the
-// weight's. One block a row of p.threads threads up to kPlainCtaSlices slices; past that the
+// from 128 slices (1024 columns) up to kRingFwdMinSlices (the ring forward takes longer ones
+// where clusters run), weight given in float32 or x's dtype, bias (if any) in the weight's. One
+// block a row of p.threads threads up to kPlainCtaSlices slices; past that the
 // ceil(nslices / kPlainCtaSlices) CTAs of a cluster share a row (p.cluster, p.cta_slices each;
 // sm_90 and later, up to kMaxCluster), adding their statistics through distributed shared
 // memory. `slices` a thread (the launcher's argument, as for the held forward; plain_slices):
@@ -202,6 +203,23 @@ inline size_t ring_bytes(const NormPlan& p) {
 }
 template <int kDt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
+
+// The ring forward (norm_ring.cuh): the plain forward's rows (16-bit x without a residual or a
+// gate) past kRingFwdMinSlices slices, in persistent clusters of ceil(nslices /
+// kRingFwdCtaSlices) CTAs, kRingSlices a thread, two CTAs an SM (108-119 registers), x copied by
+// the bulk-copy engine into kRingFwdStages stages of p.cta_slices slices, the scale and bias held
+// in registers for the whole walk (the plain forward's clusters reload them every row, and their
+// CTAs of different ranks on one SM outgrow its L1: 3-11 points of copy from 24576 columns lost
+// to a float32 weight and bias against bf16 ones, LayerNorm). Returns
+// cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the device.
+// One H200, % of copy, bench rows, the plain forward's clusters against this one: RMSNorm 85-87
+// / 91-92 from 40960 to 65536 columns, LayerNorm 61-71 / 75-78. Not below that: RMSNorm 90-92 /
+// 84-91 and LayerNorm 69-79 / 60-80 from 20480 to 32768 columns; with CTAs of 2048 slices (one
+// an SM) RMSNorm 88-90 and LayerNorm 58-75 past 32768, and from 2048 to 16384 columns in one
+// CTA RMSNorm 86-89 against 94-98, LayerNorm 67-90 against 84-96.
+constexpr int kRingFwdStages = 4, kRingFwdCtaSlices = 1024, kRingFwdMinSlices = 4097;
+template <int kDt>
+cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
 // Bytes of one 8-column slice of dtype d.
 __host__ __device__ constexpr int slice_bytes(Dtype d) { return d == Dtype::F32 ? 32 : 16; }

@@ -20,16 +20,6 @@
 
 namespace ssm {
 
-namespace norm_detail {
-
-__device__ __forceinline__ void unpack_slice(Dtype d, const uint4& raw, Slice& f) {
-  f[0] = __uint_as_float(raw.x), f[1] = __uint_as_float(raw.y);
-  f[2] = __uint_as_float(raw.z), f[3] = __uint_as_float(raw.w);
-  widen_slice(d, true, f);
-}
-
-}  // namespace norm_detail
-
 // kDt: x, dy and dx (16-bit); kFull: LayerNorm, or a dbias wanted (the mean and the sum of w dy,
 // the dbias sums), as in the lean backward. K slices a thread (lane + k * threads). kCluster: the
 // p.cluster CTAs of a thread-block cluster share each row, p.cta_slices slices each, and add
@@ -146,6 +136,105 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
     store_slice(out_w, Dtype::F32, col(v), kSlice, true, dw[k]);
     if (kFull) store_slice(out_b, Dtype::F32, col(v), kSlice, true, db[k]);
   }
+}
+
+// The ring forward: y, mean and rstd of whole rows of 16-bit x without a residual or a gate past
+// kRingFwdMinSlices slices, shared by the p.cluster CTAs of a thread-block cluster (p.cta_slices
+// each; sm_90 and later) that add their statistics through distributed shared memory. Each CTA's
+// share of a row is brought into a ring of kRingFwdStages stages, each row's copy issued
+// kRingFwdStages - 1 rows ahead. kLayer: LayerNorm, else RMSNorm; K slices a thread, as packed
+// x in registers from the stage to the row's output (the stage is refilled once the statistics'
+// block barrier has passed); the scale and bias of those slices are widened once into registers
+// for the whole walk down the rows. Persistent clusters: cluster c takes rows c, c + clusters, ...
+template <int kDt, bool kLayer, int K>
+__global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(const NormArgs a,
+                                                                           const NormPlan p) {
+  using namespace norm_detail;
+  constexpr Dtype D = Dtype(kDt);
+  constexpr int S = kRingFwdStages;
+  static_assert(D != Dtype::F32, "a slice of x is one 16-byte copy");
+  __shared__ uint64_t landed[S];
+  __shared__ float red[2][3 * kNormMaxThreads / 32];
+  // Two inboxes in turn, as cluster_push_sum asks of a kernel that sums every row.
+  __shared__ ClusterInbox<kLayer ? 3 : 1> inbox[2];
+  cluster_inbox_init(inbox);
+  extern __shared__ uint4 ring[];  // stage s: the CTA's share of a row's x
+  const int T = p.threads, lane = threadIdx.x;
+  const int rank = int(blockIdx.x % p.cluster);
+  const int first = rank * p.cta_slices;
+  const int n = min(p.cta_slices, p.nslices - first);
+  const int64_t row0 = blockIdx.x / p.cluster, step = gridDim.x / p.cluster;
+  auto col = [&](int v) { return int64_t(first + v) * kSlice; };
+
+  auto issue = [&](int j) {
+    const int64_t r = row0 + int64_t(j) * step;
+    if (r >= a.rows) return;
+    uint64_t* bar = &landed[j % S];
+    mbarrier_expect_bytes(bar, unsigned(n) * 16u);
+    bulk_copy_to_shared(ring + size_t(j % S) * p.cta_slices,
+                        static_cast<const uint16_t*>(a.x.data) + r * a.x.stride[0] + col(0),
+                        unsigned(n) * 16u, bar);
+  };
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) mbarrier_init_for_copies(&landed[s]);
+#pragma unroll
+    for (int j = 0; j < S; ++j) issue(j);
+  }
+  const bool bias = a.bias.present();
+  Slice w[K], b[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int v = lane + k * T;
+    slice_scale(a, v < n, col(v), w[k]);
+#pragma unroll
+    for (int e = 0; e < kSlice; ++e) b[k][e] = 0.f;
+    if (bias && v < n) {
+      fetch_slice(a.bias.data, a.bias.dtype, col(v), kSlice, true, b[k]);
+      widen_slice(a.bias.dtype, true, b[k]);
+    }
+  }
+  __syncthreads();  // the mbarriers are ready
+  cluster_inbox_ready();
+
+  int j = 0;
+  for (int64_t r = row0; r < a.rows; r += step, ++j) {
+    const uint4* stage = ring + size_t(j % S) * p.cta_slices;
+    mbarrier_wait(&landed[j % S], unsigned(j / S) & 1u);
+    uint4 xs[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int v = lane + k * T;
+      xs[k] = v < n ? stage[v] : make_uint4(0, 0, 0, 0);
+    }
+    const float2 stats = row_moments<D, kLayer, K, kNormMaxThreads, true>(
+        a, p, xs, n, rank, red[j & 1], inbox[j & 1], (j >> 1) & 1);
+    // Past the statistics' block barrier every thread holds its slices of this row: refill.
+    if (threadIdx.x == 0) issue(j + S);
+    if (lane == 0 && rank == 0) {
+      if (a.mean.present()) store_stat(a.mean, r, 0, stats.x);
+      if (a.rstd.present()) store_stat(a.rstd, r, 0, stats.y);
+    }
+    uint16_t* y = static_cast<uint16_t*>(a.y.data) + r * a.y.stride[0];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int v = lane + k * T;
+      if (v >= n) continue;
+      Slice f;
+      unpack_slice(D, xs[k], f);
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) f[e] = fmaf((f[e] - stats.x) * stats.y, w[k][e], b[k][e]);
+      store_slice(y, D, col(v), kSlice, true, f);
+    }
+  }
+}
+
+template <int kDt>
+cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
+  auto kernel = a.layer_norm ? norm_fwd_ring_kernel<kDt, true, kRingSlices>
+                             : norm_fwd_ring_kernel<kDt, false, kRingSlices>;
+  return launch_rows<true>(kernel, a, p, sms, stream,
+                           size_t(kRingFwdStages) * size_t(p.cta_slices) * 16);
 }
 
 template <int kDt>
