@@ -1,6 +1,8 @@
-// The ring backward: dx, dweight and dbias of whole rows of 16-bit x and dy without a residual
-// stream or a gate (torch.nn.LayerNorm's and RMSNorm's backward), with the rows brought into a
-// ring of kRingStages shared-memory stages by the bulk-copy engine. The lean backward
+// The ring kernels: the rows of the norm alone on 16-bit x brought into a ring of shared-memory
+// stages by the bulk-copy engine, the forward's past 4096 slices (below, after the backward),
+// the backward's past 1024. The backward: dx, dweight and dbias of whole rows of 16-bit x and dy
+// without a residual stream or a gate (torch.nn.LayerNorm's and RMSNorm's backward), with the
+// rows brought into a ring of kRingStages stages. The lean backward
 // (norm_fast.cuh) keeps the next row in registers; with the dweight and dbias sums there too,
 // its 128 registers a thread allow 512 threads an SM, 32 KB of x and dy in flight an SM at 16384
 // columns, shared by the four CTAs of a cluster that meet every row: 71% of copy (one H200,
