@@ -17,6 +17,7 @@ kernel path once."""
 import torch
 
 import libssm
+import libssm.torch as ssm_torch
 
 CASES = [  # batch, dim, seqlen, dstate, dtype, B/C form
     (2, 33, 77, 17, torch.float32, "variable"),
@@ -156,6 +157,36 @@ def run_norm_cases():
         finite = all(bool(torch.isfinite(t).all()) for t in outputs)
         print(f"norm {(rows, hidden, group)} {kind} {str(dtype)[6:]}/{str(wdtype)[6:]} "
               f"gate={gated}/{before} pad={pad}: ran, finite={finite}", flush=True)
+    run_norm_stream_cases()
+
+
+# rows, hidden, kind, x dtype, prenorm: the float32 residual stream (Mamba's residual_in_fp32)
+# through the torch adapter, whose backward writes dx in x's dtype and dresidual in float32 (the
+# generic API's dx follows s): the lean backward at 4096 columns, the ring backward's clusters
+# past 8192 (two CTAs of 513 and 512 slices; four without dresidual_out), with enough rows that
+# every cluster walks its ring of stages more than once.
+NORM_STREAM_CASES = [
+    (33, 4096, "layer", torch.bfloat16, True),
+    (300, 8200, "layer", torch.float16, True),
+    (250, 24584, "rms", torch.bfloat16, False),
+]
+
+
+def run_norm_stream_cases():
+    for rows, hidden, kind, dtype, prenorm in NORM_STREAM_CASES:
+        x = torch.randn(rows, hidden, device="cuda", dtype=dtype, requires_grad=True)
+        residual = torch.randn(rows, hidden, device="cuda", requires_grad=True)
+        weight = torch.randn(hidden, device="cuda", requires_grad=True)
+        bias = torch.randn(hidden, device="cuda", requires_grad=True)
+        fn = ssm_torch.layer_norm if kind == "layer" else ssm_torch.rms_norm
+        out = fn(x, weight, bias, residual, prenorm=prenorm, residual_dtype=torch.float32)
+        outputs = list(out) if prenorm else [out]
+        torch.autograd.backward(outputs, [torch.randn_like(t) for t in outputs])
+        torch.cuda.synchronize()
+        tensors = outputs + [x.grad, residual.grad, weight.grad, bias.grad]
+        finite = all(bool(torch.isfinite(t).all()) for t in tensors)
+        print(f"norm stream {(rows, hidden)} {kind} {str(dtype)[6:]} prenorm={prenorm}: ran, "
+              f"finite={finite}", flush=True)
 
 
 # Selective-state decode step: every kernel variant (float32 states with one and two 16-byte

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import libssm
-from harness import DTYPE_IDS, DTYPES, capture_cuda_graph, poisoned_like
+import libssm.torch as ssm_torch
+from harness import DTYPE_IDS, DTYPES, capture_cuda_graph, fresh_leaves, poisoned_like
 from norm_harness import (BASE, GATED, LAYER, ROWS, NormCApi, backward_input, c_forward_backward,
                           case_id, check_agree, check_backward, check_forward, only_view_written,
                           reference_backward, reference_forward, row_strided, run_backward,
@@ -201,6 +202,51 @@ def test_ring_rows(case, dtype, weight, seed):
                               dtypes={"weight": wdtype, "bias": wdtype})
     dy, dres = make_norm_cotangents(case, dtype, seed, device="cuda")
     backward_on_gpu_and_cpu(case, inputs, dy, dres)
+
+
+# Beside a float32 residual stream (Mamba's residual_in_fp32) the torch adapter asks the
+# backward for dx in x's dtype and dresidual in float32 (the generic API's dx follows s): the
+# lean backward up to 1024 slices (4096 columns, one CTA), past that the ring backward's clusters
+# of CTAs of up to 1024 slices, 2 a thread: 8200 columns (two CTAs of 513 and 512 slices), 16384
+# (two full ones), 24584 without prenorm (no dresidual_out; four CTAs of 769 slices, the last
+# 766; a bias and a zero-centred weight) and 65536 (eight), enough rows that every cluster walks
+# its ring of three stages more than once.
+STREAM_ROWS = (
+    LAYER.replace(hidden=4096, residual=True, prenorm=True, lead=(64,)),
+    LAYER.replace(hidden=8200, residual=True, prenorm=True, lead=(300,)),
+    LAYER.replace(hidden=16384, residual=True, prenorm=True, lead=(400,)),
+    BASE.replace(hidden=24584, residual=True, bias=True, zero_centered_weight=True, lead=(250,)),
+    BASE.replace(hidden=65536, residual=True, prenorm=True, lead=(150,)),
+)
+
+
+@pytest.mark.parametrize("case", STREAM_ROWS, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_float32_stream_backward(case, dtype, seed):
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda",
+                              dtypes={"residual": torch.float32, "weight": torch.float32,
+                                      "bias": torch.float32})
+    x = fresh_leaves(inputs)
+    fn = ssm_torch.layer_norm if case.kind == "layer" else ssm_torch.rms_norm
+    result = fn(x["x"], x["weight"], x["bias"], x["residual"], eps=case.eps,
+                zero_centered_weight=case.zero_centered_weight, prenorm=case.prenorm,
+                residual_dtype=torch.float32)
+    dy, dres = make_norm_cotangents(case, dtype, seed, device="cuda",
+                                    dresidual_dtype=torch.float32)
+    if case.prenorm:
+        torch.autograd.backward(list(result), [dy, dres])
+    else:
+        result.backward(dy)
+        dres = None
+    # The s the backward saw: x + residual rounded once to float32, as the forward made it.
+    s = inputs["x"].float() + inputs["residual"]
+    refs = reference_backward(case, s, inputs, dy, dres)
+    assert x["x"].grad.dtype == dtype and x["residual"].grad.dtype == torch.float32
+    assert_close("x.grad", x["x"].grad, *refs["dx"])
+    assert_close("residual.grad", x["residual"].grad, *refs["dx"])
+    for name in ("weight", "bias"):
+        if inputs[name] is not None:
+            assert_close(name + ".grad", x[name].grad, *refs["d" + name])
 
 
 @pytest.mark.parametrize("case", [BASE, GATED, LAYER.replace(residual=True, prenorm=True)],

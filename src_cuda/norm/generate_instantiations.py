@@ -77,9 +77,10 @@ def main():
                   ["template cudaError_t launch_norm_fwd_ring<%d>(const NormArgs&, NormPlan&,"
                    " int, cudaStream_t);" % dt],
                   header="norm_ring.cuh")
+        if DTYPES[dt] != "f32":
             write("norm_bwd_ring_%s.cu" % tag, "the ring fused-norm backward, %s." % rows,
-                  ["template cudaError_t launch_norm_bwd_ring<%d>(const NormArgs&, NormPlan&,"
-                   " int, cudaStream_t);" % dt],
+                  ["template cudaError_t launch_norm_bwd_ring<%d, %d>(const NormArgs&,"
+                   " NormPlan&, int, cudaStream_t);" % (dt, rt)],
                   header="norm_ring.cuh")
         for cluster in CLUSTERED:
             for stem, what, launcher, header in CLUSTERED_LAUNCHERS:

@@ -466,15 +466,29 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
 }
 
 // The CTAs of the ring backward's cluster (norm_plan.h) when it takes the call, or 0: it copies
-// with the bulk-copy engine, sm_90 code like the clusters'.
+// with the bulk-copy engine, sm_90 code like the clusters'. 16-bit rows without a residual
+// stream's gradients, or beside a float32 stream.
 int ring_cluster(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
-  const int cluster = int(ceil_div(nslices, kRingMaxSlices));
-  const bool takes = d.ok && Dtype(d.dt) != Dtype::F32 && d.rt == d.dt && a.rows > 0 &&
-                     !a.dresidual_out.present() && !a.dresidual.present() && !a.z.present() &&
-                     a.ngroups == 1 && nslices >= kRingMinSlices && cluster <= kMaxCluster &&
+  const Dtype rt = Dtype(d.rt);
+  const int cluster = int(ceil_div(nslices, ring_max_slices(rt)));
+  const bool f32_stream = rt == Dtype::F32 && d.dt != d.rt;
+  const bool residual = a.dresidual_out.present() || a.dresidual.present();
+  const bool takes = d.ok && Dtype(d.dt) != Dtype::F32 && (f32_stream || !residual) &&
+                     a.rows > 0 && !a.z.present() && a.ngroups == 1 &&
+                     nslices >= kRingMinSlices && cluster <= kMaxCluster &&
                      a.rows <= INT_MAX / cluster && cluster_kernels_run(device);
   return takes ? cluster : 0;
+}
+
+cudaError_t launch_ring_bwd(LeanDtypes d, const NormArgs& a, NormPlan& p, int sms,
+                            cudaStream_t s) {
+  constexpr int F32 = int(Dtype::F32), F16 = int(Dtype::F16), BF16 = int(Dtype::BF16);
+  if (d.rt == F32)
+    return d.dt == F16 ? launch_norm_bwd_ring<F16, F32>(a, p, sms, s)
+                       : launch_norm_bwd_ring<BF16, F32>(a, p, sms, s);
+  return d.dt == F16 ? launch_norm_bwd_ring<F16, F16>(a, p, sms, s)
+                     : launch_norm_bwd_ring<BF16, BF16>(a, p, sms, s);
 }
 
 ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* stream) {
@@ -499,7 +513,7 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   };
   if (ring) {
     const int64_t partial_rows = setup.partial_rows;
-    p = shape_plan(a, kRingSlices, ring_ctas);
+    p = shape_plan(a, ring_slices(Dtype(lean.rt)), ring_ctas);
     p.block = p.threads;
     p.row_blocks = std::min<int64_t>(a.rows, partial_rows);
     setup.fused = true;
@@ -511,8 +525,7 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   if (a.rows > 0 || p.partial != nullptr) {
     const int sms = std::max(1, multiprocessor_count(device));
     if (ring) {
-      err = Dtype(lean.dt) == Dtype::F16 ? launch_norm_bwd_ring<int(Dtype::F16)>(a, p, sms, s)
-                                         : launch_norm_bwd_ring<int(Dtype::BF16)>(a, p, sms, s);
+      err = launch_ring_bwd(lean, a, p, sms, s);
       setup.partial_rows = p.row_blocks;  // as the launcher lowered it
       if (err == cudaErrorInvalidClusterSize) {
         // Not one cluster fits on this device: the general kernels.

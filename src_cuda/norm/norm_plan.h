@@ -197,11 +197,8 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
 // p.row_blocks: at most the partial rows the workspace holds; the launcher lowers it to the CTAs
 // (clusters) that run at once.
 constexpr int kRingSlices = 4, kRingStages = 3;
-constexpr int kRingMinSlices = 2 * kNormMaxThreads + 1, kRingMaxSlices = 2048;
-inline size_t ring_bytes(const NormPlan& p) {
-  return size_t(kRingStages) * 2 * size_t(p.cta_slices) * 16;
-}
-template <int kDt>
+constexpr int kRingMinSlices = 2 * kNormMaxThreads + 1;
+template <int kDt, int kRt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
 // The ring forward (norm_ring.cuh): the plain forward's rows (16-bit x without a residual or a
@@ -223,6 +220,17 @@ cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 
 // Bytes of one 8-column slice of dtype d.
 __host__ __device__ constexpr int slice_bytes(Dtype d) { return d == Dtype::F32 ? 32 : 16; }
+
+// The ring backward's slices a thread beside a stream of dtype r (kRingSlices for the norm
+// alone, 2 beside a float32 stream, whose dresidual_out of every slice a thread holds in
+// registers through the second pass), and the most a CTA takes: 2048 slices of 16-bit x and dy
+// (three stages of 64 KB), 1024 beside a float32 stream (48 KB). Its dynamic shared memory:
+// the stages of p.cta_slices slices of x and of dy.
+constexpr int ring_slices(Dtype r) { return r == Dtype::F32 ? 2 : kRingSlices; }
+constexpr int ring_max_slices(Dtype r) { return ring_slices(r) * kNormMaxThreads; }
+inline size_t ring_bytes(const NormPlan& p, Dtype r) {
+  return size_t(kRingStages) * size_t(p.cta_slices) * size_t(slice_bytes(r) + 16);
+}
 
 // Bytes the staged forward keeps of one slice: x (and z), then the residual.
 inline int staged_slice_bytes(const NormArgs& a, Dtype dt, Dtype rt) {

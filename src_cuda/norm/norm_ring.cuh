@@ -22,49 +22,71 @@
 
 namespace ssm {
 
-// kDt: x, dy and dx (16-bit); kFull: LayerNorm, or a dbias wanted (the mean and the sum of w dy,
+// kDt: dy and dx (16-bit); kRt: x (the forward's residual stream s), dresidual_out and
+// dresidual, float32, or kDt for the norm alone (no stream gradients). kFull: LayerNorm, or a dbias wanted (the mean and the sum of w dy,
 // the dbias sums), as in the lean backward. K slices a thread (lane + k * threads). kCluster: the
 // p.cluster CTAs of a thread-block cluster share each row, p.cta_slices slices each, and add
 // their sums through distributed shared memory (cluster_push_sum); sm_90 and later. Persistent
 // clusters then: cluster c takes rows c, c + clusters, ..., its dweight and dbias sums row c of
-// p.partial, each CTA its own columns.
-template <int kDt, bool kFull, int K, bool kCluster>
+// p.partial, each CTA its own columns. dresidual_out is read once, by the second pass, so it is
+// not staged: its share of a row is fetched into L2 when the row's copies are issued.
+template <int kDt, int kRt, bool kFull, int K, bool kCluster>
 __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const NormArgs a,
                                                                            const NormPlan p) {
   using namespace norm_detail;
-  constexpr Dtype D = Dtype(kDt);
+  constexpr Dtype D = Dtype(kDt), R = Dtype(kRt);
   constexpr int S = kRingStages;
   constexpr int M = kFull ? 2 : 1;
-  static_assert(D != Dtype::F32, "a slice of x is one 16-byte copy");
+  // 16-byte units of a slice of x in a stage.
+  constexpr int XQ = slice_bytes(R) / 16;
+  // Beside a float32 stream, with its gradients; else the norm alone.
+  constexpr bool kStream = kRt != kDt;
+  static_assert(D != Dtype::F32 && (!kStream || R == Dtype::F32),
+                "16-bit dy and dx, x of their dtype or float32");
   __shared__ uint64_t landed[S];
   __shared__ float red[2][kNormMaxThreads / 32 * M];
   // Two inboxes in turn, as cluster_push_sum asks of a kernel that sums every row.
   __shared__ ClusterInbox<M> inbox[2];
   if (kCluster) cluster_inbox_init(inbox);
-  // Stage s: the CTA's share of the row's x (p.cta_slices 16-byte slices), then of its dy.
+  // Stage s: the CTA's share of the row's x (p.cta_slices slices), then of its dy.
   extern __shared__ uint4 ring[];
   const int T = p.threads, lane = threadIdx.x;
   const int rank = kCluster ? int(blockIdx.x % p.cluster) : 0;
   const int first = rank * p.cta_slices;
   const int n = kCluster ? min(p.cta_slices, p.nslices - first) : p.nslices;
   const int stride = kCluster ? p.cta_slices : p.nslices;
-  const unsigned share_bytes = unsigned(n) * 16u;
   const int64_t row0 = kCluster ? blockIdx.x / p.cluster : blockIdx.x;
   const int64_t step = kCluster ? gridDim.x / p.cluster : gridDim.x;
+  const bool dres_in = kStream && a.dresidual_out.present();
   auto col = [&](int v) { return int64_t(first + v) * kSlice; };
+  // Row r of t (of dtype d) from the CTA's first column.
+  auto share = [&](const TensorRef& t, Dtype d, int64_t r) {
+    return static_cast<const char*>(t.data) + (r * t.stride[0] + col(0)) * (slice_bytes(d) / kSlice);
+  };
+  auto stage_of = [&](int j) { return ring + size_t(j % S) * (XQ + 1) * stride; };
+  // Slice v of x from a stage, widened.
+  auto stage_slice = [](const uint4* xs, int v, Slice& f) {
+    if constexpr (XQ == 1) {
+      unpack_slice(R, xs[v], f);
+    } else {
+      const float4 lo = reinterpret_cast<const float4*>(xs)[2 * v];
+      const float4 hi = reinterpret_cast<const float4*>(xs)[2 * v + 1];
+      f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w;
+      f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
+    }
+  };
 
   // Thread 0: the copies of the block's j-th row into stage j % S, if that row exists.
   auto issue = [&](int j) {
     const int64_t r = row0 + int64_t(j) * step;
     if (r >= a.rows) return;
-    uint4* stage = ring + size_t(j % S) * 2 * stride;
+    uint4* stage = stage_of(j);
     uint64_t* bar = &landed[j % S];
-    mbarrier_expect_bytes(bar, 2 * share_bytes);
-    bulk_copy_to_shared(stage, static_cast<const uint16_t*>(a.x.data) + r * a.x.stride[0] + col(0),
-                        share_bytes, bar);
-    bulk_copy_to_shared(stage + stride,
-                        static_cast<const uint16_t*>(a.dy.data) + r * a.dy.stride[0] + col(0),
-                        share_bytes, bar);
+    const unsigned x_bytes = unsigned(n) * slice_bytes(R), dy_bytes = unsigned(n) * 16u;
+    mbarrier_expect_bytes(bar, x_bytes + dy_bytes);
+    bulk_copy_to_shared(stage, share(a.x, R, r), x_bytes, bar);
+    bulk_copy_to_shared(stage + XQ * stride, share(a.dy, D, r), dy_bytes, bar);
+    if (dres_in) prefetch_l2_bulk(share(a.dresidual_out, R, r), x_bytes);
   };
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -79,12 +101,13 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
   if (kCluster) cluster_inbox_ready();
 
   const float inv_len = 1.f / float(a.group_size);
+  const bool writes = a.dx.present() || (kStream && a.dresidual.present());
   int j = 0;
   for (int64_t r = row0; r < a.rows; r += step, ++j) {
     const float mean = kFull && a.layer_norm ? load_stat(a.mean, r, 0) : 0.f;
     const float rstd = load_stat(a.rstd, r, 0);
-    const uint4* xs = ring + size_t(j % S) * 2 * stride;
-    const uint4* dys = xs + stride;
+    const uint4* xs = stage_of(j);
+    const uint4* dys = xs + XQ * stride;
     mbarrier_wait(&landed[j % S], unsigned(j / S) & 1u);
     float acc[M] = {};
 #pragma unroll
@@ -92,7 +115,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
       const int v = lane + k * T;
       if (v >= n) continue;
       Slice xhat, g;
-      unpack_slice(D, xs[v], xhat);
+      stage_slice(xs, v, xhat);
       unpack_slice(D, dys[v], g);
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
@@ -109,23 +132,42 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
     // Past that barrier every thread is done with the previous row's stage: refill it.
     if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
     if constexpr (kCluster) cluster_push_sum(acc, inbox[j & 1], p.cluster, rank, (j >> 1) & 1);
-    if (!a.dx.present()) continue;
+    if (!writes) continue;
     const float c1 = acc[0] * inv_len;
     const float c2 = kFull && a.layer_norm ? acc[M - 1] * inv_len : 0.f;
+    // dresidual_out of every slice first, so its loads are in flight together.
+    Slice dres[kStream ? K : 1];
+    if constexpr (kStream) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int v = lane + k * T;
+        if (dres_in && v < n) {
+          fetch_slice(a.dresidual_out.data, R, r * a.dresidual_out.stride[0] + col(v), kSlice,
+                      true, dres[k]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kSlice; ++e) dres[k][e] = 0.f;
+        }
+      }
+    }
     uint16_t* dx = static_cast<uint16_t*>(a.dx.data) + r * a.dx.stride[0];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int v = lane + k * T;
       if (v >= n) continue;
       Slice xhat, g;
-      unpack_slice(D, xs[v], xhat);
+      stage_slice(xs, v, xhat);
       unpack_slice(D, dys[v], g);
+
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
         const float xh = kFull ? (xhat[e] - mean) * rstd : xhat[e] * rstd;
         g[e] = rstd * (g[e] * w[k][e] - fmaf(xh, c1, c2));
+        if constexpr (kStream) g[e] += dres[k][e];
       }
-      store_slice(dx, D, col(v), kSlice, true, g);
+      if (a.dx.present()) store_slice(dx, D, col(v), kSlice, true, g);
+      if (kStream && a.dresidual.present())
+        store_slice(a.dresidual.data, R, r * a.dresidual.stride[0] + col(v), kSlice, true, g);
     }
   }
   if (p.partial == nullptr) return;
@@ -239,17 +281,22 @@ cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
                            size_t(kRingFwdStages) * size_t(p.cta_slices) * 16);
 }
 
-template <int kDt>
+template <int kDt, int kRt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
+  constexpr int K = ring_slices(Dtype(kRt));
   const bool full = a.layer_norm || a.dbias.present();
-  if (p.cluster > 1) {
-    auto kernel = full ? norm_bwd_ring_kernel<kDt, true, kRingSlices, true>
-                       : norm_bwd_ring_kernel<kDt, false, kRingSlices, true>;
-    return launch_rows<true>(kernel, a, p, sms, stream, ring_bytes(p));
+  const size_t smem = ring_bytes(p, Dtype(kRt));
+  // Beside a float32 stream a row past the lean backward's 1024 slices always takes a cluster.
+  if constexpr (kRt == kDt) {
+    if (p.cluster == 1) {
+      auto kernel = full ? norm_bwd_ring_kernel<kDt, kRt, true, K, false>
+                         : norm_bwd_ring_kernel<kDt, kRt, false, K, false>;
+      return launch_rows<false>(kernel, a, p, sms, stream, smem);
+    }
   }
-  auto kernel = full ? norm_bwd_ring_kernel<kDt, true, kRingSlices, false>
-                     : norm_bwd_ring_kernel<kDt, false, kRingSlices, false>;
-  return launch_rows<false>(kernel, a, p, sms, stream, ring_bytes(p));
+  auto kernel = full ? norm_bwd_ring_kernel<kDt, kRt, true, K, true>
+                     : norm_bwd_ring_kernel<kDt, kRt, false, K, true>;
+  return launch_rows<true>(kernel, a, p, sms, stream, smem);
 }
 
 }  // namespace ssm
