@@ -125,6 +125,11 @@ NORM_CASES = [
     (600, 12296, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (301, 8200, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
     (300, 24584, 0, "layer", torch.float16, torch.float32, False, True, 0, None),
+    # The gated ring forward (an RMSNorm of 16-bit rows gated in one group, from 1025 slices):
+    # the gate first on two CTAs of 513 and 512 slices, after the norm on four of 769 and 766,
+    # enough rows that every cluster walks its ring of stages more than once.
+    (300, 8200, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
+    (250, 24584, 0, "rms", torch.float16, torch.float16, True, True, 0, None),
     # The staged forward without a gate: an RMSNorm of 16-bit rows beside their dtype, 769 slices.
     (5, 6152, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     # The staged forward with a gate on groups of 33 slices (16 threads a segment).

@@ -106,7 +106,21 @@ RING_ROWS = (
     BASE.replace(hidden=40960, zero_centered_weight=True, lead=(250,)),
     BASE.replace(hidden=65536, bias=True, lead=(170,)),
 )
-AWKWARD_ROWS = CLUSTER_ROWS + HELD_ROWS + PLAIN_ROWS + RING_ROWS + (
+# The gated ring forward (norm_ring.cuh) takes an RMSNorm of 16-bit x gated by z in one group
+# without a residual from 513 slices (test_gated_ring_rows), on clusters of CTAs of up to 1024
+# slices, enough rows that every cluster walks its ring of three stages more than once: one CTA
+# at 5128 columns (641 slices in 256 threads, 129 lanes holding a third; the gate after the norm), the
+# gate first at 8200 columns (two CTAs of 513 and 512 slices) and at 65536 (eight, a
+# zero-centred weight), the gate after the norm at 24584 with a bias (four CTAs of 769 slices,
+# the last 766).
+GATED_RING_ROWS = (
+    BASE.replace(hidden=5128, z=True, lead=(400,)),
+    BASE.replace(hidden=8200, z=True, norm_before_gate=False, lead=(300,)),
+    BASE.replace(hidden=24584, z=True, bias=True, lead=(250,)),
+    BASE.replace(hidden=65536, z=True, norm_before_gate=False, zero_centered_weight=True,
+                 lead=(150,)),
+)
+AWKWARD_ROWS = CLUSTER_ROWS + HELD_ROWS + PLAIN_ROWS + RING_ROWS + GATED_RING_ROWS + (
     GATED.replace(hidden=1, group_size=0, lead=(5000,)),
     LAYER.replace(hidden=7, residual=True, z=True, lead=(1000,)),
     GATED.replace(hidden=4097, group_size=241, lead=(33,)),
@@ -187,6 +201,17 @@ def test_plain_rows(case, dtype, weight, seed):
     # The plain forward reads the weight and bias in float32 or in x's dtype (a bfloat16 weight
     # beside float16 x takes the held forward instead).
     wdtype = getattr(torch, weight)
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda",
+                              dtypes={"weight": wdtype, "bias": wdtype})
+    forward_on_gpu_and_cpu(case, inputs)
+
+
+@pytest.mark.parametrize("case", GATED_RING_ROWS, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("weight", ["float32", "x"])
+def test_gated_ring_rows(case, dtype, weight, seed):
+    # The gated ring forward reads the weight and bias in any dtype: float32, or x's.
+    wdtype = torch.float32 if weight == "float32" else dtype
     inputs = make_norm_inputs(case, dtype, seed, device="cuda",
                               dtypes={"weight": wdtype, "bias": wdtype})
     forward_on_gpu_and_cpu(case, inputs)

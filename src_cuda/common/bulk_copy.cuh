@@ -40,6 +40,14 @@ __device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* bar, unsigned by
 #endif
 }
 
+// Orders this thread's earlier stores to shared memory before bulk copies that a barrier later
+// lets any thread issue into the same bytes (the copies write through the async proxy).
+__device__ __forceinline__ void fence_shared_for_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 // Copies `bytes` from global `src` to shared `dst`, counted on `bar`.
 __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes,
                                                     uint64_t* bar) {

@@ -368,6 +368,28 @@ int ring_fwd_plan(const NormArgs& a, int device) {
              : 0;
 }
 
+// The gated ring forward's CTAs a cluster (norm_plan.h) for a lean call, or 0 where it does not
+// take it.
+int ring_gated_plan(const NormArgs& a, LeanDtypes d, int device) {
+  const int nslices = slices_of(a);
+  const int cluster = int(ceil_div(nslices, kRingFwdCtaSlices));
+  return a.z.present() && !a.layer_norm && Dtype(d.dt) != Dtype::F32 && d.rt == d.dt &&
+                 !a.residual.present() && !a.residual_out.present() && a.ngroups == 1 &&
+                 nslices >= kRingGatedMinSlices && cluster <= kMaxCluster &&
+                 a.rows <= INT_MAX / cluster && cluster_kernels_run(device)
+             ? cluster
+             : 0;
+}
+
+// A ring forward's plan: persistent clusters of `cluster` CTAs, kRingSlices a thread.
+NormPlan ring_fwd_shape(const NormArgs& a, int cluster) {
+  NormPlan p = shape_plan(a, kRingSlices, cluster);
+  p.block = p.threads;
+  p.vec = true;
+  p.row_blocks = a.rows;
+  return p;
+}
+
 bool staged_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   const int nslices = slices_of(a);
   const int64_t per_slice = staged_slice_bytes(a, Dtype(d.dt), Dtype(d.rt));
@@ -420,10 +442,7 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   const int plain = lean.ok ? plain_plan(a, lean, device, p) : 0;
   const int ring = plain > 0 ? ring_fwd_plan(a, device) : 0;
   if (ring > 0) {
-    NormPlan rp = shape_plan(a, kRingSlices, ring);
-    rp.block = rp.threads;
-    rp.vec = true;
-    rp.row_blocks = a.rows;
+    NormPlan rp = ring_fwd_shape(a, ring);
     const cudaError_t err = Dtype(lean.dt) == Dtype::F16
                                 ? launch_norm_fwd_ring<int(Dtype::F16)>(a, rp, sms, s)
                                 : launch_norm_fwd_ring<int(Dtype::BF16)>(a, rp, sms, s);
@@ -435,6 +454,15 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
                                 ? launch_norm_fwd_plain<int(Dtype::F16)>(a, p, plain, sms, s)
                                 : launch_norm_fwd_plain<int(Dtype::BF16)>(a, p, plain, sms, s);
     // Otherwise not one cluster fits on this device: the kernels below.
+    if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
+  }
+  const int gated_ring = lean.ok ? ring_gated_plan(a, lean, device) : 0;
+  if (gated_ring > 0) {
+    NormPlan rp = ring_fwd_shape(a, gated_ring);
+    const cudaError_t err = Dtype(lean.dt) == Dtype::F16
+                                ? launch_norm_fwd_ring_gated<int(Dtype::F16)>(a, rp, sms, s)
+                                : launch_norm_fwd_ring_gated<int(Dtype::BF16)>(a, rp, sms, s);
+    // Otherwise not one cluster fits on this device: the staged forward.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
   }
   const int held = lean.ok ? held_plan(a, lean, device, p) : 0;

@@ -273,6 +273,143 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(const
   }
 }
 
+// The gated ring forward: y and rstd of whole rows of 16-bit x gated by z (Mamba-2's
+// RMSNormGated: an RMSNorm, no residual, one group), shared by the p.cluster CTAs of a
+// thread-block cluster as the ring forward's, x and z brought into kRingGatedStages stages.
+// Each thread reads its slices from the stage twice (the sum, then y after the row's
+// reduction), so no register keeps them across the reduction; the stage is refilled once the
+// next row's reduction barrier has passed. kGateFirst: y = norm(x silu(z)) w (+ b), whose
+// g = x silu(z) the first pass writes back over the slice's x and z in float32 (recomputing it
+// for y would cost two more exponentials and reciprocals an element); else y = (norm(x) w
+// (+ b)) silu(z). The scale and bias are held in registers for the whole walk.
+template <int kDt, bool kGateFirst, int K>
+__global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_gated_kernel(
+    const NormArgs a, const NormPlan p) {
+  using namespace norm_detail;
+  constexpr Dtype D = Dtype(kDt);
+  constexpr int S = kRingGatedStages;
+  static_assert(D != Dtype::F32, "a slice of x is one 16-byte copy");
+  __shared__ uint64_t landed[S];
+  __shared__ float red[2][kNormMaxThreads / 32];
+  __shared__ ClusterInbox<1> inbox[2];
+  cluster_inbox_init(inbox);
+  // Stage s: the CTA's share of a row's x, then of its z.
+  extern __shared__ uint4 ring[];
+  const int T = p.threads, lane = threadIdx.x;
+  const int rank = int(blockIdx.x % p.cluster);
+  const int first = rank * p.cta_slices;
+  const int n = min(p.cta_slices, p.nslices - first);
+  const int64_t row0 = blockIdx.x / p.cluster, step = gridDim.x / p.cluster;
+  auto col = [&](int v) { return int64_t(first + v) * kSlice; };
+  auto stage_of = [&](int j) { return ring + size_t(j % S) * 2 * p.cta_slices; };
+
+  auto issue = [&](int j) {
+    const int64_t r = row0 + int64_t(j) * step;
+    if (r >= a.rows) return;
+    uint4* stage = stage_of(j);
+    uint64_t* bar = &landed[j % S];
+    const unsigned bytes = unsigned(n) * 16u;
+    mbarrier_expect_bytes(bar, 2 * bytes);
+    bulk_copy_to_shared(stage, static_cast<const uint16_t*>(a.x.data) + r * a.x.stride[0] + col(0),
+                        bytes, bar);
+    bulk_copy_to_shared(stage + p.cta_slices,
+                        static_cast<const uint16_t*>(a.z.data) + r * a.z.stride[0] + col(0),
+                        bytes, bar);
+  };
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) mbarrier_init_for_copies(&landed[s]);
+#pragma unroll
+    for (int j = 0; j < S; ++j) issue(j);
+  }
+  const bool bias = a.bias.present();
+  Slice w[K], b[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int v = lane + k * T;
+    slice_scale(a, v < n, col(v), w[k]);
+#pragma unroll
+    for (int e = 0; e < kSlice; ++e) b[k][e] = 0.f;
+    if (bias && v < n) {
+      fetch_slice(a.bias.data, a.bias.dtype, col(v), kSlice, true, b[k]);
+      widen_slice(a.bias.dtype, true, b[k]);
+    }
+  }
+  __syncthreads();  // the mbarriers are ready
+  cluster_inbox_ready();
+
+  const float inv_len = 1.f / float(a.group_size);
+  int j = 0;
+  for (int64_t r = row0; r < a.rows; r += step, ++j) {
+    uint4* xs = stage_of(j);
+    uint4* zs = xs + p.cta_slices;
+    mbarrier_wait(&landed[j % S], unsigned(j / S) & 1u);
+    float sum[1] = {0.f};
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int v = lane + k * T;
+      if (v >= n) continue;
+      Slice g;
+      unpack_slice(D, xs[v], g);
+      if constexpr (kGateFirst) {
+        Slice u;
+        unpack_slice(D, zs[v], u);
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) g[e] *= silu(u[e]);
+        xs[v] = make_uint4(__float_as_uint(g[0]), __float_as_uint(g[1]), __float_as_uint(g[2]),
+                           __float_as_uint(g[3]));
+        zs[v] = make_uint4(__float_as_uint(g[4]), __float_as_uint(g[5]), __float_as_uint(g[6]),
+                           __float_as_uint(g[7]));
+      }
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) sum[0] = fmaf(g[e], g[e], sum[0]);
+    }
+    // The stores above reach the stage through the generic proxy; the bulk copy that refills
+    // it later writes through the async one.
+    if constexpr (kGateFirst) fence_shared_for_copies();
+    segment_sum<1>(sum, T, red[j & 1], true);
+    // Past that barrier every thread is done with the previous row's stage: refill it.
+    if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
+    cluster_push_sum(sum, inbox[j & 1], p.cluster, rank, (j >> 1) & 1);
+    const float rstd = rsqrtf(sum[0] * inv_len + a.eps);
+    if (lane == 0 && rank == 0 && a.rstd.present()) store_stat(a.rstd, r, 0, rstd);
+    uint16_t* y = static_cast<uint16_t*>(a.y.data) + r * a.y.stride[0];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int v = lane + k * T;
+      if (v >= n) continue;
+      Slice g;
+      if constexpr (kGateFirst) {
+        const uint4 lo = xs[v], hi = zs[v];
+        g[0] = __uint_as_float(lo.x), g[1] = __uint_as_float(lo.y);
+        g[2] = __uint_as_float(lo.z), g[3] = __uint_as_float(lo.w);
+        g[4] = __uint_as_float(hi.x), g[5] = __uint_as_float(hi.y);
+        g[6] = __uint_as_float(hi.z), g[7] = __uint_as_float(hi.w);
+      } else {
+        unpack_slice(D, xs[v], g);
+      }
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) g[e] = fmaf(g[e] * rstd, w[k][e], b[k][e]);
+      if constexpr (!kGateFirst) {
+        Slice u;
+        unpack_slice(D, zs[v], u);
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) g[e] *= silu(u[e]);
+      }
+      store_slice(y, D, col(v), kSlice, true, g);
+    }
+  }
+}
+
+template <int kDt>
+cudaError_t launch_norm_fwd_ring_gated(const NormArgs& a, NormPlan& p, int sms,
+                                       cudaStream_t stream) {
+  auto kernel = a.norm_before_gate ? norm_fwd_ring_gated_kernel<kDt, false, kRingSlices>
+                                   : norm_fwd_ring_gated_kernel<kDt, true, kRingSlices>;
+  return launch_rows<true>(kernel, a, p, sms, stream,
+                           size_t(kRingGatedStages) * 2 * size_t(p.cta_slices) * 16);
+}
+
 template <int kDt>
 cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
   auto kernel = a.layer_norm ? norm_fwd_ring_kernel<kDt, true, kRingSlices>
