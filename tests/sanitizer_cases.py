@@ -125,11 +125,15 @@ NORM_CASES = [
     (600, 12296, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (301, 8200, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
     (300, 24584, 0, "layer", torch.float16, torch.float32, False, True, 0, None),
-    # The gated ring forward (an RMSNorm of 16-bit rows gated in one group, from 1025 slices):
-    # the gate first on two CTAs of 513 and 512 slices, after the norm on four of 769 and 766,
-    # enough rows that every cluster walks its ring of stages more than once.
+    # The pair ring forward: an RMSNorm of 16-bit rows gated in one group from 513 slices, the
+    # gate first on two CTAs of 513 and 512 slices, after the norm on four of 769 and 766; a
+    # LayerNorm beside a residual from 4097 slices (its stream float32, then bf16) on six CTAs
+    # of 854 slices, the last 851; enough rows that every cluster walks its ring of stages more
+    # than once.
     (300, 8200, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
     (250, 24584, 0, "rms", torch.float16, torch.float16, True, True, 0, None),
+    (200, 40968, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
+    (200, 40968, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     # The staged forward without a gate: an RMSNorm of 16-bit rows beside their dtype, 769 slices.
     (5, 6152, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     # The staged forward with a gate on groups of 33 slices (16 threads a segment).

@@ -106,11 +106,11 @@ RING_ROWS = (
     BASE.replace(hidden=40960, zero_centered_weight=True, lead=(250,)),
     BASE.replace(hidden=65536, bias=True, lead=(170,)),
 )
-# The gated ring forward (norm_ring.cuh) takes an RMSNorm of 16-bit x gated by z in one group
+# The pair ring forward (norm_ring.cuh) takes an RMSNorm of 16-bit x gated by z in one group
 # without a residual from 513 slices (test_gated_ring_rows), on clusters of CTAs of up to 1024
 # slices, enough rows that every cluster walks its ring of three stages more than once: one CTA
-# at 5128 columns (641 slices in 256 threads, 129 lanes holding a third; the gate after the norm), the
-# gate first at 8200 columns (two CTAs of 513 and 512 slices) and at 65536 (eight, a
+# at 5128 columns (641 slices in 256 threads, 129 lanes holding a third; the gate after the
+# norm), the gate first at 8200 columns (two CTAs of 513 and 512 slices) and at 65536 (eight, a
 # zero-centred weight), the gate after the norm at 24584 with a bias (four CTAs of 769 slices,
 # the last 766).
 GATED_RING_ROWS = (
@@ -120,7 +120,18 @@ GATED_RING_ROWS = (
     BASE.replace(hidden=65536, z=True, norm_before_gate=False, zero_centered_weight=True,
                  lead=(150,)),
 )
-AWKWARD_ROWS = CLUSTER_ROWS + HELD_ROWS + PLAIN_ROWS + RING_ROWS + GATED_RING_ROWS + (
+# The pair ring forward takes 16-bit x beside a residual (its stream in x's dtype or float32) in
+# one group without a gate from 4097 slices (test_residual_ring_rows), enough rows that every
+# cluster walks its ring more than once: a LayerNorm returning the stream at 40968 columns (six
+# CTAs of 854 slices, the last 851), an RMSNorm with a bias at 49152 (six full ones), a
+# LayerNorm at 65536 (eight) returning the stream.
+RESIDUAL_RING_ROWS = (
+    LAYER.replace(hidden=40968, residual=True, prenorm=True, lead=(200,)),
+    BASE.replace(hidden=49152, residual=True, bias=True, lead=(200,)),
+    LAYER.replace(hidden=65536, residual=True, prenorm=True, lead=(150,)),
+)
+AWKWARD_ROWS = (CLUSTER_ROWS + HELD_ROWS + PLAIN_ROWS + RING_ROWS + GATED_RING_ROWS +
+                RESIDUAL_RING_ROWS) + (
     GATED.replace(hidden=1, group_size=0, lead=(5000,)),
     LAYER.replace(hidden=7, residual=True, z=True, lead=(1000,)),
     GATED.replace(hidden=4097, group_size=241, lead=(33,)),
@@ -210,11 +221,23 @@ def test_plain_rows(case, dtype, weight, seed):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("weight", ["float32", "x"])
 def test_gated_ring_rows(case, dtype, weight, seed):
-    # The gated ring forward reads the weight and bias in any dtype: float32, or x's.
+    # The pair ring forward reads the weight and bias in any dtype: float32, or x's.
     wdtype = torch.float32 if weight == "float32" else dtype
     inputs = make_norm_inputs(case, dtype, seed, device="cuda",
                               dtypes={"weight": wdtype, "bias": wdtype})
     forward_on_gpu_and_cpu(case, inputs)
+
+
+@pytest.mark.parametrize("case", RESIDUAL_RING_ROWS, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("stream", ["x", "float32"])
+def test_residual_ring_rows(case, dtype, stream, seed):
+    # The stream in x's dtype, or a float32 residual and stream beside 16-bit x.
+    extra, dtypes = {}, None
+    if stream == "float32":
+        extra, dtypes = {"residual_dtype": torch.float32}, {"residual": torch.float32}
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda", dtypes=dtypes)
+    forward_on_gpu_and_cpu(case, inputs, **extra)
 
 
 @pytest.mark.parametrize("case", RING_ROWS, ids=case_id)

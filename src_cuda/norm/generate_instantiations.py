@@ -77,12 +77,11 @@ def main():
                   ["template cudaError_t launch_norm_fwd_ring<%d>(const NormArgs&, NormPlan&,"
                    " int, cudaStream_t);" % dt],
                   header="norm_ring.cuh")
-            write("norm_fwd_ring_gated_%s.cu" % tag,
-                  "the gated ring fused-norm forward, %s." % rows,
-                  ["template cudaError_t launch_norm_fwd_ring_gated<%d>(const NormArgs&,"
-                   " NormPlan&, int, cudaStream_t);" % dt],
-                  header="norm_ring.cuh")
         if DTYPES[dt] != "f32":
+            write("norm_fwd_ring_pair_%s.cu" % tag, "the pair ring fused-norm forward, %s." % rows,
+                  ["template cudaError_t launch_norm_fwd_ring_pair<%d, %d>(const NormArgs&,"
+                   " NormPlan&, int, cudaStream_t);" % (dt, rt)],
+                  header="norm_ring.cuh")
             write("norm_bwd_ring_%s.cu" % tag, "the ring fused-norm backward, %s." % rows,
                   ["template cudaError_t launch_norm_bwd_ring<%d, %d>(const NormArgs&,"
                    " NormPlan&, int, cudaStream_t);" % (dt, rt)],

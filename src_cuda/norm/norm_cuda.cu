@@ -4,6 +4,7 @@
 // partial sums into the caller's dweight and dbias.
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <initializer_list>
 #include <type_traits>
 
@@ -368,22 +369,24 @@ int ring_fwd_plan(const NormArgs& a, int device) {
              : 0;
 }
 
-// The gated ring forward's CTAs a cluster (norm_plan.h) for a lean call, or 0 where it does not
+// The pair ring forward's CTAs a cluster (norm_plan.h) for a lean call, or 0 where it does not
 // take it.
-int ring_gated_plan(const NormArgs& a, LeanDtypes d, int device) {
+int ring_pair_plan(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
   const int cluster = int(ceil_div(nslices, kRingFwdCtaSlices));
-  return a.z.present() && !a.layer_norm && Dtype(d.dt) != Dtype::F32 && d.rt == d.dt &&
-                 !a.residual.present() && !a.residual_out.present() && a.ngroups == 1 &&
-                 nslices >= kRingGatedMinSlices && cluster <= kMaxCluster &&
-                 a.rows <= INT_MAX / cluster && cluster_kernels_run(device)
+  const bool gated = a.z.present() && !a.layer_norm && d.rt == d.dt && !a.residual.present() &&
+                     !a.residual_out.present() && nslices >= kRingGatedMinSlices;
+  const bool residual = !a.z.present() && a.residual.present() && nslices >= kRingFwdMinSlices;
+  return (gated || residual) && Dtype(d.dt) != Dtype::F32 && a.ngroups == 1 &&
+                 cluster <= kMaxCluster && a.rows <= INT_MAX / cluster &&
+                 cluster_kernels_run(device)
              ? cluster
              : 0;
 }
 
-// A ring forward's plan: persistent clusters of `cluster` CTAs, kRingSlices a thread.
-NormPlan ring_fwd_shape(const NormArgs& a, int cluster) {
-  NormPlan p = shape_plan(a, kRingSlices, cluster);
+// A ring forward's plan: persistent clusters of `cluster` CTAs, K slices a thread.
+NormPlan ring_fwd_shape(const NormArgs& a, int cluster, int K) {
+  NormPlan p = shape_plan(a, K, cluster);
   p.block = p.threads;
   p.vec = true;
   p.row_blocks = a.rows;
@@ -442,7 +445,7 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   const int plain = lean.ok ? plain_plan(a, lean, device, p) : 0;
   const int ring = plain > 0 ? ring_fwd_plan(a, device) : 0;
   if (ring > 0) {
-    NormPlan rp = ring_fwd_shape(a, ring);
+    NormPlan rp = ring_fwd_shape(a, ring, kRingSlices);
     const cudaError_t err = Dtype(lean.dt) == Dtype::F16
                                 ? launch_norm_fwd_ring<int(Dtype::F16)>(a, rp, sms, s)
                                 : launch_norm_fwd_ring<int(Dtype::BF16)>(a, rp, sms, s);
@@ -456,13 +459,15 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
     // Otherwise not one cluster fits on this device: the kernels below.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
   }
-  const int gated_ring = lean.ok ? ring_gated_plan(a, lean, device) : 0;
-  if (gated_ring > 0) {
-    NormPlan rp = ring_fwd_shape(a, gated_ring);
-    const cudaError_t err = Dtype(lean.dt) == Dtype::F16
-                                ? launch_norm_fwd_ring_gated<int(Dtype::F16)>(a, rp, sms, s)
-                                : launch_norm_fwd_ring_gated<int(Dtype::BF16)>(a, rp, sms, s);
-    // Otherwise not one cluster fits on this device: the staged forward.
+  const int pair = lean.ok ? ring_pair_plan(a, lean, device) : 0;
+  if (pair > 0) {
+    NormPlan rp = ring_fwd_shape(a, pair, ring_slices(Dtype(lean.rt)));
+    const cudaError_t err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
+      constexpr int D = decltype(dt)::value, R = decltype(rt)::value;
+      if constexpr (D == int(Dtype::F32)) return cudaErrorInvalidValue;  // never planned
+      else return launch_norm_fwd_ring_pair<D, R>(a, rp, sms, s);
+    });
+    // Otherwise not one cluster fits on this device: the kernels below.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
   }
   const int held = lean.ok ? held_plan(a, lean, device, p) : 0;

@@ -218,19 +218,28 @@ constexpr int kRingFwdStages = 4, kRingFwdCtaSlices = 1024, kRingFwdMinSlices = 
 template <int kDt>
 cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
-// The gated ring forward (norm_ring.cuh): RMSNorm of 16-bit x gated by z (either side), one
-// group, no residual, from kRingGatedMinSlices slices, in persistent clusters of ceil(nslices /
-// kRingFwdCtaSlices) CTAs (one up to 8192 columns), kRingSlices a thread, x and z copied into
-// kRingGatedStages stages (96 KB a 1024-slice CTA: two CTAs an SM, 113 registers). Returns
-// cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the device.
-// One H200, bf16, the gate first, % of copy, the staged forward that took these rows before
-// against this one: 85 / 94 at 5120 columns, 91 / 93 at 6144, 79 / 96 at 10240, 83 / 93-94 at
-// 12288, 88 / 92 at 16384, 61 / 86 at 20480, 60-66 / 91-94 from 24576 to 65536. The staged
-// forward stays ahead at 4096 (97 / 93) and 8192 (95 / 93); the ring takes 8192 for one rule.
-constexpr int kRingGatedStages = 3, kRingGatedMinSlices = 513;
-template <int kDt>
-cudaError_t launch_norm_fwd_ring_gated(const NormArgs& a, NormPlan& p, int sms,
-                                       cudaStream_t stream);
+// The pair ring forward (norm_ring.cuh): 16-bit x with z or a residual in one group, in
+// persistent clusters of ceil(nslices / kRingFwdCtaSlices) CTAs (one up to 8192 columns),
+// ring_slices(stream dtype) slices a thread, x and the second operand copied into
+// kRingPairStages stages (ring_pair_bytes). Returns cudaErrorInvalidClusterSize, launching
+// nothing, when not one cluster fits on the device.
+// - The gate (an RMSNorm without a residual) from kRingGatedMinSlices slices: 96 KB a 1024-slice
+//   CTA, two CTAs an SM, 113 registers. One H200, bf16, the gate first, % of copy, the staged
+//   forward that took these rows before against this one: 85 / 94 at 5120 columns, 91 / 93 at
+//   6144, 79 / 96 at 10240, 83 / 93-94 at 12288, 88 / 92 at 16384, 61 / 86 at 20480, 60-66 /
+//   91-94 from 24576 to 65536. The staged forward stays ahead at 4096 (97 / 93) and 8192 (95 /
+//   93); the ring takes 8192 for one rule.
+// - A residual (its stream in x's dtype or float32, no gate) from kRingFwdMinSlices, as the
+//   ring forward: 48 KB a 1024-slice CTA beside a float32 stream, 2 slices a thread in 512
+//   threads (70-79 registers), one CTA an SM. % of copy, bf16, the forward that took those rows
+//   before (held or staged clusters) against this one: LayerNorm beside a float32 stream 83 /
+//   87, 83 / 86, 82 / 87 at 40960, 49152, 65536 columns; RMSNorm beside a bf16 stream 85 / 93,
+//   90 / 92, 91 / 92. Below that it lost at most widths (RMSNorm 95-99 / 87-93 from 10240 to
+//   20480 columns; LayerNorm 87-89 / 83-87 from 16384 to 24576, though 86 / 90 at 12288).
+constexpr int kRingPairStages = 3, kRingGatedMinSlices = 513;
+template <int kDt, int kRt>
+cudaError_t launch_norm_fwd_ring_pair(const NormArgs& a, NormPlan& p, int sms,
+                                      cudaStream_t stream);
 
 // Bytes of one 8-column slice of dtype d.
 __host__ __device__ constexpr int slice_bytes(Dtype d) { return d == Dtype::F32 ? 32 : 16; }
@@ -244,6 +253,10 @@ constexpr int ring_slices(Dtype r) { return r == Dtype::F32 ? 2 : kRingSlices; }
 constexpr int ring_max_slices(Dtype r) { return ring_slices(r) * kNormMaxThreads; }
 inline size_t ring_bytes(const NormPlan& p, Dtype r) {
   return size_t(kRingStages) * size_t(p.cta_slices) * size_t(slice_bytes(r) + 16);
+}
+
+inline size_t ring_pair_bytes(const NormPlan& p, Dtype r) {
+  return size_t(kRingPairStages) * size_t(p.cta_slices) * size_t(16 + slice_bytes(r));
 }
 
 // Bytes the staged forward keeps of one slice: x (and z), then the residual.

@@ -273,48 +273,63 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(const
   }
 }
 
-// The gated ring forward: y and rstd of whole rows of 16-bit x gated by z (Mamba-2's
-// RMSNormGated: an RMSNorm, no residual, one group), shared by the p.cluster CTAs of a
-// thread-block cluster as the ring forward's, x and z brought into kRingGatedStages stages.
-// Each thread reads its slices from the stage twice (the sum, then y after the row's
-// reduction), so no register keeps them across the reduction; the stage is refilled once the
-// next row's reduction barrier has passed. kGateFirst: y = norm(x silu(z)) w (+ b), whose
-// g = x silu(z) the first pass writes back over the slice's x and z in float32 (recomputing it
-// for y would cost two more exponentials and reciprocals an element); else y = (norm(x) w
-// (+ b)) silu(z). The scale and bias are held in registers for the whole walk.
-template <int kDt, bool kGateFirst, int K>
-__global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_gated_kernel(
+// The pair ring forward: y, mean and rstd of whole rows of 16-bit x with a second operand,
+// shared by the p.cluster CTAs of a thread-block cluster as the ring forward's, both brought into
+// kRingPairStages stages (one group; norm_plan.h). kOp (PairOp):
+// - kPairGateFirst: an RMSNorm of g = x silu(z), y = norm(g) w (+ b) (Mamba-2's RMSNormGated);
+// - kPairGateAfter: an RMSNorm of g = x, y = (norm(g) w (+ b)) silu(z);
+// - kPairResidual: g = x + residual, the stream s in kRt (kDt or float32), stored as
+//   residual_out when asked for; RMSNorm or LayerNorm (kLayer).
+// Each thread reads its slices from the stage again after the row's reductions, so no register
+// keeps them across; the first pass writes g back over its slice in float32 where it is not x
+// itself (recomputing x silu(z) for y would cost two more exponentials and reciprocals an
+// element), over the second operand's 32 bytes when it is float32, else over both operands' 16.
+// The stage is refilled once the next row's first reduction barrier has passed. The scale and
+// bias are held in registers for the whole walk. K slices a thread.
+enum PairOp { kPairGateFirst = 0, kPairGateAfter = 1, kPairResidual = 2 };
+template <int kDt, int kRt, int kOp, bool kLayer, int K>
+__global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_pair_kernel(
     const NormArgs a, const NormPlan p) {
   using namespace norm_detail;
-  constexpr Dtype D = Dtype(kDt);
-  constexpr int S = kRingGatedStages;
+  constexpr Dtype D = Dtype(kDt), R = Dtype(kOp == kPairResidual ? kRt : kDt);
+  constexpr int S = kRingPairStages;
+  // 16-byte units of a slice of the second operand; g is kept in float32 unless it is x.
+  constexpr int BQ = slice_bytes(R) / 16;
+  constexpr bool kKeep = kOp != kPairGateAfter;
   static_assert(D != Dtype::F32, "a slice of x is one 16-byte copy");
   __shared__ uint64_t landed[S];
   __shared__ float red[2][kNormMaxThreads / 32];
   __shared__ ClusterInbox<1> inbox[2];
   cluster_inbox_init(inbox);
-  // Stage s: the CTA's share of a row's x, then of its z.
+  // Stage s: the CTA's share of a row's x, then of its second operand (z or the residual).
   extern __shared__ uint4 ring[];
   const int T = p.threads, lane = threadIdx.x;
   const int rank = int(blockIdx.x % p.cluster);
   const int first = rank * p.cta_slices;
   const int n = min(p.cta_slices, p.nslices - first);
   const int64_t row0 = blockIdx.x / p.cluster, step = gridDim.x / p.cluster;
+  const TensorRef& second = kOp == kPairResidual ? a.residual : a.z;
   auto col = [&](int v) { return int64_t(first + v) * kSlice; };
-  auto stage_of = [&](int j) { return ring + size_t(j % S) * 2 * p.cta_slices; };
+  auto stage_of = [&](int j) { return ring + size_t(j % S) * (1 + BQ) * p.cta_slices; };
+  // The two 16-byte halves of slice v's kept g in the stage whose x share is xs.
+  auto kept = [&](uint4* xs, int v, int half) {
+    uint4* bs = xs + p.cta_slices;
+    return BQ == 2 ? bs + 2 * v + half : half == 0 ? xs + v : bs + v;
+  };
 
   auto issue = [&](int j) {
     const int64_t r = row0 + int64_t(j) * step;
     if (r >= a.rows) return;
     uint4* stage = stage_of(j);
     uint64_t* bar = &landed[j % S];
-    const unsigned bytes = unsigned(n) * 16u;
-    mbarrier_expect_bytes(bar, 2 * bytes);
+    const unsigned x_bytes = unsigned(n) * 16u, b_bytes = unsigned(n) * slice_bytes(R);
+    mbarrier_expect_bytes(bar, x_bytes + b_bytes);
     bulk_copy_to_shared(stage, static_cast<const uint16_t*>(a.x.data) + r * a.x.stride[0] + col(0),
-                        bytes, bar);
+                        x_bytes, bar);
     bulk_copy_to_shared(stage + p.cta_slices,
-                        static_cast<const uint16_t*>(a.z.data) + r * a.z.stride[0] + col(0),
-                        bytes, bar);
+                        static_cast<const char*>(second.data) +
+                            (r * second.stride[0] + col(0)) * (slice_bytes(R) / kSlice),
+                        b_bytes, bar);
   };
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -338,61 +353,102 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_gated_kernel
   __syncthreads();  // the mbarriers are ready
   cluster_inbox_ready();
 
+  // g of slice v from the stage: kept in float32, or x.
+  auto load_g = [&](uint4* xs, int v, Slice& g) {
+    if constexpr (kKeep) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 q = *kept(xs, v, h);
+        g[4 * h] = __uint_as_float(q.x), g[4 * h + 1] = __uint_as_float(q.y);
+        g[4 * h + 2] = __uint_as_float(q.z), g[4 * h + 3] = __uint_as_float(q.w);
+      }
+    } else {
+      unpack_slice(D, xs[v], g);
+    }
+  };
   const float inv_len = 1.f / float(a.group_size);
+  int sums = 0;  // reductions so far: each takes the next inbox and reduction buffer
+  auto row_sum = [&](float v) {
+    float t[1] = {v};
+    segment_sum<1>(t, T, red[sums & 1], true);
+    cluster_push_sum(t, inbox[sums & 1], p.cluster, rank, (sums >> 1) & 1);
+    ++sums;
+    return t[0];
+  };
   int j = 0;
   for (int64_t r = row0; r < a.rows; r += step, ++j) {
     uint4* xs = stage_of(j);
-    uint4* zs = xs + p.cta_slices;
+    const uint4* bs = xs + p.cta_slices;
     mbarrier_wait(&landed[j % S], unsigned(j / S) & 1u);
-    float sum[1] = {0.f};
+    float acc = 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int v = lane + k * T;
       if (v >= n) continue;
-      Slice g;
+      Slice g, u;
       unpack_slice(D, xs[v], g);
-      if constexpr (kGateFirst) {
-        Slice u;
-        unpack_slice(D, zs[v], u);
+      if constexpr (kOp == kPairGateFirst) {
+        unpack_slice(D, bs[v], u);
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) g[e] *= silu(u[e]);
-        xs[v] = make_uint4(__float_as_uint(g[0]), __float_as_uint(g[1]), __float_as_uint(g[2]),
-                           __float_as_uint(g[3]));
-        zs[v] = make_uint4(__float_as_uint(g[4]), __float_as_uint(g[5]), __float_as_uint(g[6]),
-                           __float_as_uint(g[7]));
+      } else if constexpr (kOp == kPairResidual) {
+        fetch_slice(bs, R, int64_t(v) * kSlice, kSlice, true, u);
+        widen_slice(R, true, u);
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) g[e] += u[e];
+        if (a.residual_out.present())
+          store_slice(a.residual_out.data, R, r * a.residual_out.stride[0] + col(v), kSlice, true,
+                      g);
+      }
+      if constexpr (kKeep) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *kept(xs, v, h) = make_uint4(__float_as_uint(g[4 * h]), __float_as_uint(g[4 * h + 1]),
+                                       __float_as_uint(g[4 * h + 2]), __float_as_uint(g[4 * h + 3]));
       }
 #pragma unroll
-      for (int e = 0; e < kSlice; ++e) sum[0] = fmaf(g[e], g[e], sum[0]);
+      for (int e = 0; e < kSlice; ++e) acc = kLayer ? acc + g[e] : fmaf(g[e], g[e], acc);
     }
     // The stores above reach the stage through the generic proxy; the bulk copy that refills
     // it later writes through the async one.
-    if constexpr (kGateFirst) fence_shared_for_copies();
-    segment_sum<1>(sum, T, red[j & 1], true);
+    if constexpr (kKeep) fence_shared_for_copies();
+    acc = row_sum(acc);
     // Past that barrier every thread is done with the previous row's stage: refill it.
     if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
-    cluster_push_sum(sum, inbox[j & 1], p.cluster, rank, (j >> 1) & 1);
-    const float rstd = rsqrtf(sum[0] * inv_len + a.eps);
-    if (lane == 0 && rank == 0 && a.rstd.present()) store_stat(a.rstd, r, 0, rstd);
+    float mean = 0.f, var = acc * inv_len;
+    if constexpr (kLayer) {
+      // The deviations from the mean in a second round: the stage holds g, so it costs reads
+      // of shared memory only.
+      mean = var;
+      float dev = 0.f;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int v = lane + k * T;
+        if (v >= n) continue;
+        Slice g;
+        load_g(xs, v, g);
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) dev = fmaf(g[e] - mean, g[e] - mean, dev);
+      }
+      var = row_sum(dev) * inv_len;
+    }
+    const float rstd = rsqrtf(var + a.eps);
+    if (lane == 0 && rank == 0) {
+      if (kLayer && a.mean.present()) store_stat(a.mean, r, 0, mean);
+      if (a.rstd.present()) store_stat(a.rstd, r, 0, rstd);
+    }
     uint16_t* y = static_cast<uint16_t*>(a.y.data) + r * a.y.stride[0];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int v = lane + k * T;
       if (v >= n) continue;
       Slice g;
-      if constexpr (kGateFirst) {
-        const uint4 lo = xs[v], hi = zs[v];
-        g[0] = __uint_as_float(lo.x), g[1] = __uint_as_float(lo.y);
-        g[2] = __uint_as_float(lo.z), g[3] = __uint_as_float(lo.w);
-        g[4] = __uint_as_float(hi.x), g[5] = __uint_as_float(hi.y);
-        g[6] = __uint_as_float(hi.z), g[7] = __uint_as_float(hi.w);
-      } else {
-        unpack_slice(D, xs[v], g);
-      }
+      load_g(xs, v, g);
 #pragma unroll
-      for (int e = 0; e < kSlice; ++e) g[e] = fmaf(g[e] * rstd, w[k][e], b[k][e]);
-      if constexpr (!kGateFirst) {
+      for (int e = 0; e < kSlice; ++e) g[e] = fmaf((g[e] - mean) * rstd, w[k][e], b[k][e]);
+      if constexpr (kOp == kPairGateAfter) {
         Slice u;
-        unpack_slice(D, zs[v], u);
+        unpack_slice(D, bs[v], u);
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) g[e] *= silu(u[e]);
       }
@@ -401,13 +457,18 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_gated_kernel
   }
 }
 
-template <int kDt>
-cudaError_t launch_norm_fwd_ring_gated(const NormArgs& a, NormPlan& p, int sms,
-                                       cudaStream_t stream) {
-  auto kernel = a.norm_before_gate ? norm_fwd_ring_gated_kernel<kDt, false, kRingSlices>
-                                   : norm_fwd_ring_gated_kernel<kDt, true, kRingSlices>;
-  return launch_rows<true>(kernel, a, p, sms, stream,
-                           size_t(kRingGatedStages) * 2 * size_t(p.cta_slices) * 16);
+template <int kDt, int kRt>
+cudaError_t launch_norm_fwd_ring_pair(const NormArgs& a, NormPlan& p, int sms,
+                                      cudaStream_t stream) {
+  constexpr int K = ring_slices(Dtype(kRt));
+  auto kernel = a.layer_norm ? norm_fwd_ring_pair_kernel<kDt, kRt, kPairResidual, true, K>
+                             : norm_fwd_ring_pair_kernel<kDt, kRt, kPairResidual, false, K>;
+  if constexpr (kDt == kRt) {
+    if (a.z.present())
+      kernel = a.norm_before_gate ? norm_fwd_ring_pair_kernel<kDt, kRt, kPairGateAfter, false, K>
+                                  : norm_fwd_ring_pair_kernel<kDt, kRt, kPairGateFirst, false, K>;
+  }
+  return launch_rows<true>(kernel, a, p, sms, stream, ring_pair_bytes(p, Dtype(kRt)));
 }
 
 template <int kDt>
