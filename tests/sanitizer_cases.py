@@ -107,15 +107,15 @@ NORM_CASES = [
     # The plain forward (16-bit rows without a residual): 4 slices a thread, one warp a row,
     # 129 slices in 64 threads (one lane holding a third), an RMSNorm in 512 threads every lane
     # full; a LayerNorm's 8 slices a thread, 1030 slices in 256 threads (six lanes a fifth).
-    # Past 2048 slices, clusters: a LayerNorm of two CTAs of 1537 and 1536 slices (lanes and
-    # CTAs holding different counts), an RMSNorm of two CTAs of 1281 and 1280, 8 slices a thread.
+    # Past 2048 slices, clusters: an RMSNorm of two CTAs of 1281 and 1280, 8 slices a thread; a
+    # LayerNorm there takes the ring forward (four CTAs of 769 and 766 slices).
     (4, 1024, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, None),
     (5, 1032, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (3, 16384, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
     (5, 8240, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (37, 24584, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (7, 20488, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
-    # Past 4096 slices the ring forward: a LayerNorm of six CTAs of 854 slices, the last 851,
+    # The ring forward of the norm alone: a LayerNorm of six CTAs of 854 slices, the last 851,
     # enough rows that every cluster walks its ring of stages more than once.
     (200, 40968, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     # The ring backward (16-bit rows without a residual, from 1025 slices): a LayerNorm at 1537

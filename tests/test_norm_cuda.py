@@ -69,12 +69,13 @@ HELD_ROWS = (
 # (257 slices, one lane holding a third); a LayerNorm from 512 slices takes 8: a zero-centred
 # one at 4096 columns (64 threads), 5120 (5 slices a lane in 128 threads), 8192 (every lane
 # full), 8240 (1030 slices in 256 threads, six lanes holding a fifth: the moments of unequal
-# counts) and 16384. Past 2048 slices the CTAs of a cluster share a row: a LayerNorm of two CTAs
-# of 1537 and 1536 slices (24584 columns), an RMSNorm of two CTAs of 8 slices a thread, 5 of them
-# held (20480). Past 4096 slices the ring forward's clusters of 1024-slice CTAs take them, enough
-# rows that each cluster walks its ring of four stages several times: a LayerNorm of six CTAs of
-# 854 slices, the last 851 (40968 columns), a zero-centred RMSNorm of six full ones (49152), and
-# of eight with a bias (65536; a LayerNorm too, on three rows: fewer rows than clusters).
+# counts) and 16384. Past 2048 slices the CTAs of a cluster share an RMSNorm's row: two CTAs of 8
+# slices a thread, 5 of them held (20480). The ring forward (norm_ring.cuh) takes a LayerNorm
+# past 2048 slices and an RMSNorm past 4096 on clusters of 1024-slice CTAs: a LayerNorm of four
+# CTAs of 769 slices, the last 766 (24584 columns, fewer rows than clusters), and, with enough
+# rows that each cluster walks its ring of three stages several times, of six CTAs of 854, the
+# last 851 (40968), a zero-centred RMSNorm of six full ones (49152), and of eight with a bias
+# (65536; a LayerNorm too, on three rows).
 PLAIN_ROWS = (
     LAYER.replace(hidden=1024, lead=(3,)),
     LAYER.replace(hidden=1040, lead=(13,)),

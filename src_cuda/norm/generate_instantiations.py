@@ -73,13 +73,9 @@ def main():
                   ["template cudaError_t launch_norm_fwd_plain<%d>(const NormArgs&,"
                    " NormPlan&, int, int, cudaStream_t);" % dt],
                   header="norm_plain.cuh")
-            write("norm_fwd_ring_%s.cu" % tag, "the ring fused-norm forward, %s." % rows,
-                  ["template cudaError_t launch_norm_fwd_ring<%d>(const NormArgs&, NormPlan&,"
-                   " int, cudaStream_t);" % dt],
-                  header="norm_ring.cuh")
         if DTYPES[dt] != "f32":
-            write("norm_fwd_ring_pair_%s.cu" % tag, "the pair ring fused-norm forward, %s." % rows,
-                  ["template cudaError_t launch_norm_fwd_ring_pair<%d, %d>(const NormArgs&,"
+            write("norm_fwd_ring_%s.cu" % tag, "the ring fused-norm forward, %s." % rows,
+                  ["template cudaError_t launch_norm_fwd_ring<%d, %d>(const NormArgs&,"
                    " NormPlan&, int, cudaStream_t);" % (dt, rt)],
                   header="norm_ring.cuh")
             write("norm_bwd_ring_%s.cu" % tag, "the ring fused-norm backward, %s." % rows,

@@ -358,26 +358,18 @@ int plain_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   return K;
 }
 
-// The ring forward's CTAs a cluster (norm_plan.h) for a row the plain forward takes, or 0 where
-// it does not take it.
-int ring_fwd_plan(const NormArgs& a, int device) {
+// The ring forward's CTAs a cluster (norm_plan.h) for a lean call, or 0 where it does not take
+// it.
+int ring_fwd_plan(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
   const int cluster = int(ceil_div(nslices, kRingFwdCtaSlices));
-  return nslices >= kRingFwdMinSlices && cluster <= kMaxCluster && a.rows <= INT_MAX / cluster &&
-                 cluster_kernels_run(device)
-             ? cluster
-             : 0;
-}
-
-// The pair ring forward's CTAs a cluster (norm_plan.h) for a lean call, or 0 where it does not
-// take it.
-int ring_pair_plan(const NormArgs& a, LeanDtypes d, int device) {
-  const int nslices = slices_of(a);
-  const int cluster = int(ceil_div(nslices, kRingFwdCtaSlices));
-  const bool gated = a.z.present() && !a.layer_norm && d.rt == d.dt && !a.residual.present() &&
-                     !a.residual_out.present() && nslices >= kRingGatedMinSlices;
-  const bool residual = !a.z.present() && a.residual.present() && nslices >= kRingFwdMinSlices;
-  return (gated || residual) && Dtype(d.dt) != Dtype::F32 && a.ngroups == 1 &&
+  const bool residual = a.residual.present() || a.residual_out.present();
+  const bool alone = !a.z.present() && !residual && d.rt == d.dt &&
+                     nslices >= (a.layer_norm ? kRingLayerMinSlices : kRingFwdMinSlices);
+  const bool gated = a.z.present() && !a.layer_norm && d.rt == d.dt && !residual &&
+                     nslices >= kRingGatedMinSlices;
+  const bool stream = !a.z.present() && a.residual.present() && nslices >= kRingFwdMinSlices;
+  return (alone || gated || stream) && Dtype(d.dt) != Dtype::F32 && a.ngroups == 1 &&
                  cluster <= kMaxCluster && a.rows <= INT_MAX / cluster &&
                  cluster_kernels_run(device)
              ? cluster
@@ -442,31 +434,22 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
                        }),
                        "norm_fwd launch");
   }
-  const int plain = lean.ok ? plain_plan(a, lean, device, p) : 0;
-  const int ring = plain > 0 ? ring_fwd_plan(a, device) : 0;
+  const int ring = lean.ok ? ring_fwd_plan(a, lean, device) : 0;
   if (ring > 0) {
-    NormPlan rp = ring_fwd_shape(a, ring, kRingSlices);
-    const cudaError_t err = Dtype(lean.dt) == Dtype::F16
-                                ? launch_norm_fwd_ring<int(Dtype::F16)>(a, rp, sms, s)
-                                : launch_norm_fwd_ring<int(Dtype::BF16)>(a, rp, sms, s);
-    // Otherwise not one cluster fits on this device: the plain forward.
+    NormPlan rp = ring_fwd_shape(a, ring, ring_slices(Dtype(lean.rt)));
+    const cudaError_t err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
+      constexpr int D = decltype(dt)::value, R = decltype(rt)::value;
+      if constexpr (D == int(Dtype::F32)) return cudaErrorInvalidValue;  // never planned
+      else return launch_norm_fwd_ring<D, R>(a, rp, sms, s);
+    });
+    // Otherwise not one cluster fits on this device: the kernels below.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
   }
+  const int plain = lean.ok ? plain_plan(a, lean, device, p) : 0;
   if (plain > 0) {
     const cudaError_t err = Dtype(lean.dt) == Dtype::F16
                                 ? launch_norm_fwd_plain<int(Dtype::F16)>(a, p, plain, sms, s)
                                 : launch_norm_fwd_plain<int(Dtype::BF16)>(a, p, plain, sms, s);
-    // Otherwise not one cluster fits on this device: the kernels below.
-    if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
-  }
-  const int pair = lean.ok ? ring_pair_plan(a, lean, device) : 0;
-  if (pair > 0) {
-    NormPlan rp = ring_fwd_shape(a, pair, ring_slices(Dtype(lean.rt)));
-    const cudaError_t err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
-      constexpr int D = decltype(dt)::value, R = decltype(rt)::value;
-      if constexpr (D == int(Dtype::F32)) return cudaErrorInvalidValue;  // never planned
-      else return launch_norm_fwd_ring_pair<D, R>(a, rp, sms, s);
-    });
     // Otherwise not one cluster fits on this device: the kernels below.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
   }

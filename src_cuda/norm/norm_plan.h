@@ -145,8 +145,8 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int
                                  cudaStream_t stream);
 
 // The plain forward (norm_plain.cuh): whole rows of 16-bit x without a residual or a gate,
-// from 128 slices (1024 columns) up to kRingFwdMinSlices (the ring forward takes longer ones
-// where clusters run), weight given in float32 or x's dtype, bias (if any) in the weight's. One
+// from 128 slices (1024 columns) up to kRingFwdMinSlices for an RMSNorm, kRingLayerMinSlices
+// for a LayerNorm (the ring forward takes longer ones where clusters run), weight given in float32 or x's dtype, bias (if any) in the weight's. One
 // block a row of p.threads threads up to kPlainCtaSlices slices; past that the
 // ceil(nslices / kPlainCtaSlices) CTAs of a cluster share a row (p.cluster, p.cta_slices each;
 // sm_90 and later, up to kMaxCluster), adding their statistics through distributed shared
@@ -201,45 +201,34 @@ constexpr int kRingMinSlices = 2 * kNormMaxThreads + 1;
 template <int kDt, int kRt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
-// The ring forward (norm_ring.cuh): the plain forward's rows (16-bit x without a residual or a
-// gate) past kRingFwdMinSlices slices, in persistent clusters of ceil(nslices /
-// kRingFwdCtaSlices) CTAs, kRingSlices a thread, two CTAs an SM (108-119 registers), x copied by
-// the bulk-copy engine into kRingFwdStages stages of p.cta_slices slices, the scale and bias held
-// in registers for the whole walk (the plain forward's clusters reload them every row, and their
-// CTAs of different ranks on one SM outgrow its L1: 3-11 points of copy from 24576 columns lost
-// to a float32 weight and bias against bf16 ones, LayerNorm). Returns
-// cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the device.
-// One H200, % of copy, bench rows, the plain forward's clusters against this one: RMSNorm 85-87
-// / 91-92 from 40960 to 65536 columns, LayerNorm 61-71 / 75-78. Not below that: RMSNorm 90-92 /
-// 84-91 and LayerNorm 69-79 / 60-80 from 20480 to 32768 columns; with CTAs of 2048 slices (one
-// an SM) RMSNorm 88-90 and LayerNorm 58-75 past 32768, and from 2048 to 16384 columns in one
-// CTA RMSNorm 86-89 against 94-98, LayerNorm 67-90 against 84-96.
-constexpr int kRingFwdStages = 4, kRingFwdCtaSlices = 1024, kRingFwdMinSlices = 4097;
-template <int kDt>
-cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
-
-// The pair ring forward (norm_ring.cuh): 16-bit x with z or a residual in one group, in
-// persistent clusters of ceil(nslices / kRingFwdCtaSlices) CTAs (one up to 8192 columns),
-// ring_slices(stream dtype) slices a thread, x and the second operand copied into
-// kRingPairStages stages (ring_pair_bytes). Returns cudaErrorInvalidClusterSize, launching
-// nothing, when not one cluster fits on the device.
-// - The gate (an RMSNorm without a residual) from kRingGatedMinSlices slices: 96 KB a 1024-slice
-//   CTA, two CTAs an SM, 113 registers. One H200, bf16, the gate first, % of copy, the staged
-//   forward that took these rows before against this one: 85 / 94 at 5120 columns, 91 / 93 at
-//   6144, 79 / 96 at 10240, 83 / 93-94 at 12288, 88 / 92 at 16384, 61 / 86 at 20480, 60-66 /
-//   91-94 from 24576 to 65536. The staged forward stays ahead at 4096 (97 / 93) and 8192 (95 /
-//   93); the ring takes 8192 for one rule.
-// - A residual (its stream in x's dtype or float32, no gate) from kRingFwdMinSlices, as the
-//   ring forward: 48 KB a 1024-slice CTA beside a float32 stream, 2 slices a thread in 512
-//   threads (70-79 registers), one CTA an SM. % of copy, bf16, the forward that took those rows
-//   before (held or staged clusters) against this one: LayerNorm beside a float32 stream 83 /
-//   87, 83 / 86, 82 / 87 at 40960, 49152, 65536 columns; RMSNorm beside a bf16 stream 85 / 93,
-//   90 / 92, 91 / 92. Below that it lost at most widths (RMSNorm 95-99 / 87-93 from 10240 to
-//   20480 columns; LayerNorm 87-89 / 83-87 from 16384 to 24576, though 86 / 90 at 12288).
-constexpr int kRingPairStages = 3, kRingGatedMinSlices = 513;
+// The ring forward (norm_ring.cuh): whole rows of 16-bit x in one group, alone, gated (an
+// RMSNorm without a residual) or beside a residual (its stream in x's dtype or float32, no gate),
+// in persistent clusters of ceil(nslices / kRingFwdCtaSlices) CTAs (one up to 8192 columns),
+// ring_slices(stream dtype) slices a thread, x and the second operand copied by the bulk-copy
+// engine into kRingFwdStages stages (ring_fwd_bytes: 96 KB a 1024-slice CTA of 16-bit x and z,
+// two CTAs an SM in 104-113 registers; 48 KB a slice beside a float32 stream, 2 slices a thread
+// in 512 threads, one CTA an SM). Returns cudaErrorInvalidClusterSize, launching nothing, when
+// not one cluster fits on the device. One H200, bf16, % of copy, the forward that took those
+// rows before against this one:
+// - the norm alone, a LayerNorm from kRingLayerMinSlices (the plain forward's clusters below
+//   4097 slices, a ring forward holding x in registers from there, which ran RMSNorm at 90-92):
+//   68 / 72 at 20480 columns, 72 / 83 at 24576, 78 / 86 at 32768, 75 / 81 at 40960 and 49152,
+//   78 / 82 at 65536; it lost below (93 / 91 at 16384, 86 / 69 at 10240, 84 / 70 at 5120). An
+//   RMSNorm from kRingFwdMinSlices (91-93); the plain forward's clusters stay ahead from 20480
+//   to 32768 columns (91-92 / 87-92) and one plain CTA below (96-98 / 87-92).
+// - the gate from kRingGatedMinSlices, against the staged forward: 85 / 94 at 5120 columns, 91
+//   / 93 at 6144, 79 / 96 at 10240, 83 / 93-94 at 12288, 88 / 92 at 16384, 61 / 86 at 20480,
+//   60-66 / 91-94 from 24576 to 65536. The staged forward stays ahead at 4096 (97 / 93) and
+//   8192 (95 / 93); the ring takes 8192 for one rule.
+// - a residual from kRingFwdMinSlices, against the held or staged clusters: LayerNorm beside a
+//   float32 stream 83 / 87, 83 / 86, 82 / 87 at 40960, 49152, 65536 columns; RMSNorm beside a
+//   bf16 stream 85 / 93, 90 / 92, 91 / 92. Below that it lost at most widths (RMSNorm 95-99 /
+//   87-93 from 10240 to 20480 columns; LayerNorm 87-89 / 83-87 from 16384 to 24576, though
+//   86 / 90 at 12288).
+constexpr int kRingFwdStages = 3, kRingFwdCtaSlices = 1024, kRingFwdMinSlices = 4097;
+constexpr int kRingLayerMinSlices = 2049, kRingGatedMinSlices = 513;
 template <int kDt, int kRt>
-cudaError_t launch_norm_fwd_ring_pair(const NormArgs& a, NormPlan& p, int sms,
-                                      cudaStream_t stream);
+cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
 // Bytes of one 8-column slice of dtype d.
 __host__ __device__ constexpr int slice_bytes(Dtype d) { return d == Dtype::F32 ? 32 : 16; }
@@ -255,8 +244,9 @@ inline size_t ring_bytes(const NormPlan& p, Dtype r) {
   return size_t(kRingStages) * size_t(p.cta_slices) * size_t(slice_bytes(r) + 16);
 }
 
-inline size_t ring_pair_bytes(const NormPlan& p, Dtype r) {
-  return size_t(kRingPairStages) * size_t(p.cta_slices) * size_t(16 + slice_bytes(r));
+inline size_t ring_fwd_bytes(const NormArgs& a, const NormPlan& p, Dtype r) {
+  const int second = a.z.present() || a.residual.present() ? slice_bytes(r) : 0;
+  return size_t(kRingFwdStages) * size_t(p.cta_slices) * size_t(16 + second);
 }
 
 // Bytes the staged forward keeps of one slice: x (and z), then the residual.

@@ -182,120 +182,33 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
   }
 }
 
-// The ring forward: y, mean and rstd of whole rows of 16-bit x without a residual or a gate past
-// kRingFwdMinSlices slices, shared by the p.cluster CTAs of a thread-block cluster (p.cta_slices
-// each; sm_90 and later) that add their statistics through distributed shared memory. Each CTA's
-// share of a row is brought into a ring of kRingFwdStages stages, each row's copy issued
-// kRingFwdStages - 1 rows ahead. kLayer: LayerNorm, else RMSNorm; K slices a thread, as packed
-// x in registers from the stage to the row's output (the stage is refilled once the statistics'
-// block barrier has passed); the scale and bias of those slices are widened once into registers
-// for the whole walk down the rows. Persistent clusters: cluster c takes rows c, c + clusters, ...
-template <int kDt, bool kLayer, int K>
-__global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(const NormArgs a,
-                                                                           const NormPlan p) {
-  using namespace norm_detail;
-  constexpr Dtype D = Dtype(kDt);
-  constexpr int S = kRingFwdStages;
-  static_assert(D != Dtype::F32, "a slice of x is one 16-byte copy");
-  __shared__ uint64_t landed[S];
-  __shared__ float red[2][3 * kNormMaxThreads / 32];
-  // Two inboxes in turn, as cluster_push_sum asks of a kernel that sums every row.
-  __shared__ ClusterInbox<kLayer ? 3 : 1> inbox[2];
-  cluster_inbox_init(inbox);
-  extern __shared__ uint4 ring[];  // stage s: the CTA's share of a row's x
-  const int T = p.threads, lane = threadIdx.x;
-  const int rank = int(blockIdx.x % p.cluster);
-  const int first = rank * p.cta_slices;
-  const int n = min(p.cta_slices, p.nslices - first);
-  const int64_t row0 = blockIdx.x / p.cluster, step = gridDim.x / p.cluster;
-  auto col = [&](int v) { return int64_t(first + v) * kSlice; };
-
-  auto issue = [&](int j) {
-    const int64_t r = row0 + int64_t(j) * step;
-    if (r >= a.rows) return;
-    uint64_t* bar = &landed[j % S];
-    mbarrier_expect_bytes(bar, unsigned(n) * 16u);
-    bulk_copy_to_shared(ring + size_t(j % S) * p.cta_slices,
-                        static_cast<const uint16_t*>(a.x.data) + r * a.x.stride[0] + col(0),
-                        unsigned(n) * 16u, bar);
-  };
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) mbarrier_init_for_copies(&landed[s]);
-#pragma unroll
-    for (int j = 0; j < S; ++j) issue(j);
-  }
-  const bool bias = a.bias.present();
-  Slice w[K], b[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int v = lane + k * T;
-    slice_scale(a, v < n, col(v), w[k]);
-#pragma unroll
-    for (int e = 0; e < kSlice; ++e) b[k][e] = 0.f;
-    if (bias && v < n) {
-      fetch_slice(a.bias.data, a.bias.dtype, col(v), kSlice, true, b[k]);
-      widen_slice(a.bias.dtype, true, b[k]);
-    }
-  }
-  __syncthreads();  // the mbarriers are ready
-  cluster_inbox_ready();
-
-  int j = 0;
-  for (int64_t r = row0; r < a.rows; r += step, ++j) {
-    const uint4* stage = ring + size_t(j % S) * p.cta_slices;
-    mbarrier_wait(&landed[j % S], unsigned(j / S) & 1u);
-    uint4 xs[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int v = lane + k * T;
-      xs[k] = v < n ? stage[v] : make_uint4(0, 0, 0, 0);
-    }
-    const float2 stats = row_moments<D, kLayer, K, kNormMaxThreads, true>(
-        a, p, xs, n, rank, red[j & 1], inbox[j & 1], (j >> 1) & 1);
-    // Past the statistics' block barrier every thread holds its slices of this row: refill.
-    if (threadIdx.x == 0) issue(j + S);
-    if (lane == 0 && rank == 0) {
-      if (a.mean.present()) store_stat(a.mean, r, 0, stats.x);
-      if (a.rstd.present()) store_stat(a.rstd, r, 0, stats.y);
-    }
-    uint16_t* y = static_cast<uint16_t*>(a.y.data) + r * a.y.stride[0];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int v = lane + k * T;
-      if (v >= n) continue;
-      Slice f;
-      unpack_slice(D, xs[k], f);
-#pragma unroll
-      for (int e = 0; e < kSlice; ++e) f[e] = fmaf((f[e] - stats.x) * stats.y, w[k][e], b[k][e]);
-      store_slice(y, D, col(v), kSlice, true, f);
-    }
-  }
-}
-
-// The pair ring forward: y, mean and rstd of whole rows of 16-bit x with a second operand,
-// shared by the p.cluster CTAs of a thread-block cluster as the ring forward's, both brought into
-// kRingPairStages stages (one group; norm_plan.h). kOp (PairOp):
-// - kPairGateFirst: an RMSNorm of g = x silu(z), y = norm(g) w (+ b) (Mamba-2's RMSNormGated);
-// - kPairGateAfter: an RMSNorm of g = x, y = (norm(g) w (+ b)) silu(z);
-// - kPairResidual: g = x + residual, the stream s in kRt (kDt or float32), stored as
+// The ring forward: y, mean and rstd of whole rows of 16-bit x, alone or with a second operand,
+// shared by the p.cluster CTAs of a thread-block cluster (p.cta_slices each; sm_90 and later)
+// that add their sums through distributed shared memory, x and the second operand brought into
+// a ring of kRingFwdStages stages (one group; norm_plan.h). kOp (RingOp):
+// - kRingAlone: the norm of x (RMSNorm or LayerNorm, kLayer);
+// - kRingGateFirst: an RMSNorm of g = x silu(z), y = norm(g) w (+ b) (Mamba-2's RMSNormGated);
+// - kRingGateAfter: an RMSNorm of g = x, y = (norm(g) w (+ b)) silu(z);
+// - kRingResidual: g = x + residual, the stream s in kRt (kDt or float32), stored as
 //   residual_out when asked for; RMSNorm or LayerNorm (kLayer).
 // Each thread reads its slices from the stage again after the row's reductions, so no register
-// keeps them across; the first pass writes g back over its slice in float32 where it is not x
-// itself (recomputing x silu(z) for y would cost two more exponentials and reciprocals an
-// element), over the second operand's 32 bytes when it is float32, else over both operands' 16.
-// The stage is refilled once the next row's first reduction barrier has passed. The scale and
-// bias are held in registers for the whole walk. K slices a thread.
-enum PairOp { kPairGateFirst = 0, kPairGateAfter = 1, kPairResidual = 2 };
+// keeps them across; a LayerNorm takes the mean, then the deviations from it (a second read of
+// the stage and a second reduction). The first pass writes g back over its slice in float32
+// where it is neither x nor derived from x alone (recomputing x silu(z) for y would cost two more
+// exponentials and reciprocals an element), over the second operand's 32 bytes when it is
+// float32, else over both operands' 16. The stage is refilled once the next row's first
+// reduction barrier has passed. The scale and bias are held in registers for the whole walk
+// (persistent clusters: cluster c takes rows c, c + clusters, ...). K slices a thread.
+enum RingOp { kRingAlone = 0, kRingGateFirst = 1, kRingGateAfter = 2, kRingResidual = 3 };
 template <int kDt, int kRt, int kOp, bool kLayer, int K>
-__global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_pair_kernel(
+__global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
     const NormArgs a, const NormPlan p) {
   using namespace norm_detail;
-  constexpr Dtype D = Dtype(kDt), R = Dtype(kOp == kPairResidual ? kRt : kDt);
-  constexpr int S = kRingPairStages;
+  constexpr Dtype D = Dtype(kDt), R = Dtype(kOp == kRingResidual ? kRt : kDt);
+  constexpr int S = kRingFwdStages;
   // 16-byte units of a slice of the second operand; g is kept in float32 unless it is x.
-  constexpr int BQ = slice_bytes(R) / 16;
-  constexpr bool kKeep = kOp != kPairGateAfter;
+  constexpr int BQ = kOp == kRingAlone ? 0 : slice_bytes(R) / 16;
+  constexpr bool kKeep = kOp != kRingGateAfter && kOp != kRingAlone;
   static_assert(D != Dtype::F32, "a slice of x is one 16-byte copy");
   __shared__ uint64_t landed[S];
   __shared__ float red[2][kNormMaxThreads / 32];
@@ -308,7 +221,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_pair_kernel(
   const int first = rank * p.cta_slices;
   const int n = min(p.cta_slices, p.nslices - first);
   const int64_t row0 = blockIdx.x / p.cluster, step = gridDim.x / p.cluster;
-  const TensorRef& second = kOp == kPairResidual ? a.residual : a.z;
+  const TensorRef& second = kOp == kRingResidual ? a.residual : a.z;
   auto col = [&](int v) { return int64_t(first + v) * kSlice; };
   auto stage_of = [&](int j) { return ring + size_t(j % S) * (1 + BQ) * p.cta_slices; };
   // The two 16-byte halves of slice v's kept g in the stage whose x share is xs.
@@ -322,11 +235,12 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_pair_kernel(
     if (r >= a.rows) return;
     uint4* stage = stage_of(j);
     uint64_t* bar = &landed[j % S];
-    const unsigned x_bytes = unsigned(n) * 16u, b_bytes = unsigned(n) * slice_bytes(R);
+    const unsigned x_bytes = unsigned(n) * 16u, b_bytes = unsigned(n) * 16u * BQ;
     mbarrier_expect_bytes(bar, x_bytes + b_bytes);
     bulk_copy_to_shared(stage, static_cast<const uint16_t*>(a.x.data) + r * a.x.stride[0] + col(0),
                         x_bytes, bar);
-    bulk_copy_to_shared(stage + p.cta_slices,
+    if (BQ > 0)
+      bulk_copy_to_shared(stage + p.cta_slices,
                         static_cast<const char*>(second.data) +
                             (r * second.stride[0] + col(0)) * (slice_bytes(R) / kSlice),
                         b_bytes, bar);
@@ -387,11 +301,11 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_pair_kernel(
       if (v >= n) continue;
       Slice g, u;
       unpack_slice(D, xs[v], g);
-      if constexpr (kOp == kPairGateFirst) {
+      if constexpr (kOp == kRingGateFirst) {
         unpack_slice(D, bs[v], u);
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) g[e] *= silu(u[e]);
-      } else if constexpr (kOp == kPairResidual) {
+      } else if constexpr (kOp == kRingResidual) {
         fetch_slice(bs, R, int64_t(v) * kSlice, kSlice, true, u);
         widen_slice(R, true, u);
 #pragma unroll
@@ -446,7 +360,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_pair_kernel(
       load_g(xs, v, g);
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) g[e] = fmaf((g[e] - mean) * rstd, w[k][e], b[k][e]);
-      if constexpr (kOp == kPairGateAfter) {
+      if constexpr (kOp == kRingGateAfter) {
         Slice u;
         unpack_slice(D, bs[v], u);
 #pragma unroll
@@ -458,25 +372,20 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_pair_kernel(
 }
 
 template <int kDt, int kRt>
-cudaError_t launch_norm_fwd_ring_pair(const NormArgs& a, NormPlan& p, int sms,
+cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms,
                                       cudaStream_t stream) {
   constexpr int K = ring_slices(Dtype(kRt));
-  auto kernel = a.layer_norm ? norm_fwd_ring_pair_kernel<kDt, kRt, kPairResidual, true, K>
-                             : norm_fwd_ring_pair_kernel<kDt, kRt, kPairResidual, false, K>;
+  auto kernel = a.layer_norm ? norm_fwd_ring_kernel<kDt, kRt, kRingResidual, true, K>
+                             : norm_fwd_ring_kernel<kDt, kRt, kRingResidual, false, K>;
   if constexpr (kDt == kRt) {
+    if (!a.z.present() && !a.residual.present())
+      kernel = a.layer_norm ? norm_fwd_ring_kernel<kDt, kRt, kRingAlone, true, K>
+                            : norm_fwd_ring_kernel<kDt, kRt, kRingAlone, false, K>;
     if (a.z.present())
-      kernel = a.norm_before_gate ? norm_fwd_ring_pair_kernel<kDt, kRt, kPairGateAfter, false, K>
-                                  : norm_fwd_ring_pair_kernel<kDt, kRt, kPairGateFirst, false, K>;
+      kernel = a.norm_before_gate ? norm_fwd_ring_kernel<kDt, kRt, kRingGateAfter, false, K>
+                                  : norm_fwd_ring_kernel<kDt, kRt, kRingGateFirst, false, K>;
   }
-  return launch_rows<true>(kernel, a, p, sms, stream, ring_pair_bytes(p, Dtype(kRt)));
-}
-
-template <int kDt>
-cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
-  auto kernel = a.layer_norm ? norm_fwd_ring_kernel<kDt, true, kRingSlices>
-                             : norm_fwd_ring_kernel<kDt, false, kRingSlices>;
-  return launch_rows<true>(kernel, a, p, sms, stream,
-                           size_t(kRingFwdStages) * size_t(p.cta_slices) * 16);
+  return launch_rows<true>(kernel, a, p, sms, stream, ring_fwd_bytes(a, p, Dtype(kRt)));
 }
 
 template <int kDt, int kRt>

@@ -2,5 +2,5 @@
 #include "../norm_ring.cuh"
 
 namespace ssm {
-template cudaError_t launch_norm_fwd_ring<2>(const NormArgs&, NormPlan&, int, cudaStream_t);
+template cudaError_t launch_norm_fwd_ring<2, 2>(const NormArgs&, NormPlan&, int, cudaStream_t);
 }  // namespace ssm
