@@ -4,7 +4,6 @@
 // partial sums into the caller's dweight and dbias.
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
 #include <initializer_list>
 #include <type_traits>
 
