@@ -125,7 +125,7 @@ NORM_CASES = [
     (600, 12296, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (301, 8200, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
     (300, 24584, 0, "layer", torch.float16, torch.float32, False, True, 0, None),
-    # The pair ring forward: an RMSNorm of 16-bit rows gated in one group from 513 slices, the
+    # The ring forward: an RMSNorm of 16-bit rows gated in one group from 513 slices, the
     # gate first on two CTAs of 513 and 512 slices, after the norm on four of 769 and 766; a
     # LayerNorm beside a residual from 4097 slices (its stream float32, then bf16) on six CTAs
     # of 854 slices, the last 851; enough rows that every cluster walks its ring of stages more

@@ -64,18 +64,18 @@ HELD_ROWS = (
     BASE.replace(hidden=6152, lead=(5,), residual=True),
 )
 # The plain forward (norm_plain.cuh) takes 16-bit rows without a residual or a gate
-# (test_plain_rows): 4 slices a thread below 512 slices, at 1024 columns (one warp) and 1040 (130
-# slices in 64 threads, two lanes holding a third), and for an RMSNorm without a bias at 2056
-# (257 slices, one lane holding a third); a LayerNorm from 512 slices takes 8: a zero-centred
-# one at 4096 columns (64 threads), 5120 (5 slices a lane in 128 threads), 8192 (every lane
-# full), 8240 (1030 slices in 256 threads, six lanes holding a fifth: the moments of unequal
-# counts) and 16384. Past 2048 slices the CTAs of a cluster share an RMSNorm's row: two CTAs of 8
-# slices a thread, 5 of them held (20480). The ring forward (norm_ring.cuh) takes a LayerNorm
-# past 2048 slices and an RMSNorm past 4096 on clusters of 1024-slice CTAs: a LayerNorm of four
-# CTAs of 769 slices, the last 766 (24584 columns, fewer rows than clusters), and, with enough
-# rows that each cluster walks its ring of three stages several times, of six CTAs of 854, the
-# last 851 (40968), a zero-centred RMSNorm of six full ones (49152), and of eight with a bias
-# (65536; a LayerNorm too, on three rows).
+# (test_plain_and_gated_ring_rows): 4 slices a thread below 512 slices, at 1024 columns (one warp)
+# and 1040 (130 slices in 64 threads, two lanes holding a third), and for an RMSNorm without a bias
+# at 2056 (257 slices, one lane holding a third); a LayerNorm from 512 slices takes 8: a zero-
+# centred one at 4096 columns (64 threads), 5120 (5 slices a lane in 128 threads), 8192 (every lane
+# full), 8240 (1030 slices in 256 threads, six lanes holding a fifth: the moments of unequal counts)
+# and 16384. Past 2048 slices the CTAs of a cluster share an RMSNorm's row: two CTAs of 8 slices a
+# thread, 5 of them held (20480). The ring forward (norm_ring.cuh) takes a LayerNorm past 2048
+# slices and an RMSNorm past 4096 on clusters of 1024-slice CTAs: a LayerNorm of four CTAs of 769
+# slices, the last 766 (24584 columns, fewer rows than clusters), and, with enough rows that each
+# cluster walks its ring of three stages several times, of six CTAs of 854, the last 851 (40968), a
+# zero-centred RMSNorm of six full ones (49152), and of eight with a bias (65536; a LayerNorm too,
+# on three rows).
 PLAIN_ROWS = (
     LAYER.replace(hidden=1024, lead=(3,)),
     LAYER.replace(hidden=1040, lead=(13,)),
@@ -107,10 +107,10 @@ RING_ROWS = (
     BASE.replace(hidden=40960, zero_centered_weight=True, lead=(250,)),
     BASE.replace(hidden=65536, bias=True, lead=(170,)),
 )
-# The pair ring forward (norm_ring.cuh) takes an RMSNorm of 16-bit x gated by z in one group
-# without a residual from 513 slices (test_gated_ring_rows), on clusters of CTAs of up to 1024
-# slices, enough rows that every cluster walks its ring of three stages more than once: one CTA
-# at 5128 columns (641 slices in 256 threads, 129 lanes holding a third; the gate after the
+# The ring forward (norm_ring.cuh) takes an RMSNorm of 16-bit x gated by z in one group
+# without a residual from 513 slices (test_plain_and_gated_ring_rows), on clusters of CTAs of up
+# to 1024 slices, enough rows that every cluster walks its ring of three stages more than once:
+# one CTA at 5128 columns (641 slices in 256 threads, 129 lanes holding a third; the gate after the
 # norm), the gate first at 8200 columns (two CTAs of 513 and 512 slices) and at 65536 (eight, a
 # zero-centred weight), the gate after the norm at 24584 with a bias (four CTAs of 769 slices,
 # the last 766).
@@ -121,7 +121,7 @@ GATED_RING_ROWS = (
     BASE.replace(hidden=65536, z=True, norm_before_gate=False, zero_centered_weight=True,
                  lead=(150,)),
 )
-# The pair ring forward takes 16-bit x beside a residual (its stream in x's dtype or float32) in
+# The ring forward takes 16-bit x beside a residual (its stream in x's dtype or float32) in
 # one group without a gate from 4097 slices (test_residual_ring_rows), enough rows that every
 # cluster walks its ring more than once: a LayerNorm returning the stream at 40968 columns (six
 # CTAs of 854 slices, the last 851), an RMSNorm with a bias at 49152 (six full ones), a
@@ -206,24 +206,13 @@ def test_backward(case, dtype, seed):
     backward_on_gpu_and_cpu(case, inputs, dy, dres)
 
 
-@pytest.mark.parametrize("case", PLAIN_ROWS, ids=case_id)
+@pytest.mark.parametrize("case", PLAIN_ROWS + GATED_RING_ROWS, ids=case_id)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("weight", ["float32", "bfloat16"])
-def test_plain_rows(case, dtype, weight, seed):
+def test_plain_and_gated_ring_rows(case, dtype, weight, seed):
     # The plain forward reads the weight and bias in float32 or in x's dtype (a bfloat16 weight
-    # beside float16 x takes the held forward instead).
+    # beside float16 x takes the held forward instead); the ring forward reads them in any.
     wdtype = getattr(torch, weight)
-    inputs = make_norm_inputs(case, dtype, seed, device="cuda",
-                              dtypes={"weight": wdtype, "bias": wdtype})
-    forward_on_gpu_and_cpu(case, inputs)
-
-
-@pytest.mark.parametrize("case", GATED_RING_ROWS, ids=case_id)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("weight", ["float32", "x"])
-def test_gated_ring_rows(case, dtype, weight, seed):
-    # The pair ring forward reads the weight and bias in any dtype: float32, or x's.
-    wdtype = torch.float32 if weight == "float32" else dtype
     inputs = make_norm_inputs(case, dtype, seed, device="cuda",
                               dtypes={"weight": wdtype, "bias": wdtype})
     forward_on_gpu_and_cpu(case, inputs)

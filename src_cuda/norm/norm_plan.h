@@ -146,11 +146,12 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int
 
 // The plain forward (norm_plain.cuh): whole rows of 16-bit x without a residual or a gate,
 // from 128 slices (1024 columns) up to kRingFwdMinSlices for an RMSNorm, kRingLayerMinSlices
-// for a LayerNorm (the ring forward takes longer ones where clusters run), weight given in float32 or x's dtype, bias (if any) in the weight's. One
-// block a row of p.threads threads up to kPlainCtaSlices slices; past that the
-// ceil(nslices / kPlainCtaSlices) CTAs of a cluster share a row (p.cluster, p.cta_slices each;
-// sm_90 and later, up to kMaxCluster), adding their statistics through distributed shared
-// memory. `slices` a thread (the launcher's argument, as for the held forward; plain_slices):
+// for a LayerNorm (the ring forward takes longer ones where clusters run), weight given in
+// float32 or x's dtype, bias (if any) in the weight's. One block a row of p.threads threads up
+// to kPlainCtaSlices slices; past that the ceil(nslices / kPlainCtaSlices) CTAs of a cluster
+// share a row (p.cluster, p.cta_slices each; sm_90 and later, up to kMaxCluster), adding their
+// statistics through distributed shared memory. `slices` a thread (the launcher's argument, as
+// for the held forward; plain_slices):
 // - 4 below 512 slices a CTA, and for an RMSNorm whose CTA share is a power of two (every lane
 //   of a power-of-two block full), in up to kPlainNarrowThreads threads four blocks an SM (64
 //   registers), beyond that in up to 512 threads two blocks an SM;

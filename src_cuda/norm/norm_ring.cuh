@@ -22,14 +22,15 @@
 
 namespace ssm {
 
-// kDt: dy and dx (16-bit); kRt: x (the forward's residual stream s), dresidual_out and
-// dresidual, float32, or kDt for the norm alone (no stream gradients). kFull: LayerNorm, or a dbias wanted (the mean and the sum of w dy,
-// the dbias sums), as in the lean backward. K slices a thread (lane + k * threads). kCluster: the
-// p.cluster CTAs of a thread-block cluster share each row, p.cta_slices slices each, and add
-// their sums through distributed shared memory (cluster_push_sum); sm_90 and later. Persistent
-// clusters then: cluster c takes rows c, c + clusters, ..., its dweight and dbias sums row c of
-// p.partial, each CTA its own columns. dresidual_out is read once, by the second pass, so it is
-// not staged: its share of a row is fetched into L2 when the row's copies are issued.
+// kDt: dy and dx (16-bit); kRt: x (the forward's residual stream s), dresidual_out and dresidual,
+// float32, or kDt for the norm alone (no stream gradients). kFull: LayerNorm, or a dbias wanted
+// (the mean and the sum of w dy, the dbias sums), as in the lean backward. K slices a thread (lane
+// + k * threads). kCluster: the p.cluster CTAs of a thread-block cluster share each row,
+// p.cta_slices slices each, and add their sums through distributed shared memory
+// (cluster_push_sum); sm_90 and later. Persistent clusters then: cluster c takes rows c, c +
+// clusters, ..., its dweight and dbias sums row c of p.partial, each CTA its own columns.
+// dresidual_out is read once, by the second pass, so it is not staged: its share of a row is
+// fetched into L2 when the row's copies are issued.
 template <int kDt, int kRt, bool kFull, int K, bool kCluster>
 __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const NormArgs a,
                                                                            const NormPlan p) {
@@ -61,7 +62,8 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
   auto col = [&](int v) { return int64_t(first + v) * kSlice; };
   // Row r of t (of dtype d) from the CTA's first column.
   auto share = [&](const TensorRef& t, Dtype d, int64_t r) {
-    return static_cast<const char*>(t.data) + (r * t.stride[0] + col(0)) * (slice_bytes(d) / kSlice);
+    return static_cast<const char*>(t.data) +
+           (r * t.stride[0] + col(0)) * (slice_bytes(d) / kSlice);
   };
   auto stage_of = [&](int j) { return ring + size_t(j % S) * (XQ + 1) * stride; };
   // Slice v of x from a stage, widened.
@@ -280,6 +282,18 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
       unpack_slice(D, xs[v], g);
     }
   };
+  // f(k, v, g) for each of this thread's slices v = lane + k * T of the CTA's share, g read
+  // from the stage whose x share is xs (after the first pass).
+  auto each_g = [&](uint4* xs, auto f) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int v = lane + k * T;
+      if (v >= n) continue;
+      Slice g;
+      load_g(xs, v, g);
+      f(k, v, g);
+    }
+  };
   const float inv_len = 1.f / float(a.group_size);
   int sums = 0;  // reductions so far: each takes the next inbox and reduction buffer
   auto row_sum = [&](float v) {
@@ -317,8 +331,9 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
       if constexpr (kKeep) {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          *kept(xs, v, h) = make_uint4(__float_as_uint(g[4 * h]), __float_as_uint(g[4 * h + 1]),
-                                       __float_as_uint(g[4 * h + 2]), __float_as_uint(g[4 * h + 3]));
+          *kept(xs, v, h) =
+              make_uint4(__float_as_uint(g[4 * h]), __float_as_uint(g[4 * h + 1]),
+                         __float_as_uint(g[4 * h + 2]), __float_as_uint(g[4 * h + 3]));
       }
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) acc = kLayer ? acc + g[e] : fmaf(g[e], g[e], acc);
@@ -335,15 +350,10 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
       // of shared memory only.
       mean = var;
       float dev = 0.f;
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        const int v = lane + k * T;
-        if (v >= n) continue;
-        Slice g;
-        load_g(xs, v, g);
+      each_g(xs, [&](int, int, Slice& g) {
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) dev = fmaf(g[e] - mean, g[e] - mean, dev);
-      }
+      });
       var = row_sum(dev) * inv_len;
     }
     const float rstd = rsqrtf(var + a.eps);
@@ -352,12 +362,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
       if (a.rstd.present()) store_stat(a.rstd, r, 0, rstd);
     }
     uint16_t* y = static_cast<uint16_t*>(a.y.data) + r * a.y.stride[0];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int v = lane + k * T;
-      if (v >= n) continue;
-      Slice g;
-      load_g(xs, v, g);
+    each_g(xs, [&](int k, int v, Slice& g) {
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) g[e] = fmaf((g[e] - mean) * rstd, w[k][e], b[k][e]);
       if constexpr (kOp == kRingGateAfter) {
@@ -367,13 +372,12 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
         for (int e = 0; e < kSlice; ++e) g[e] *= silu(u[e]);
       }
       store_slice(y, D, col(v), kSlice, true, g);
-    }
+    });
   }
 }
 
 template <int kDt, int kRt>
-cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms,
-                                      cudaStream_t stream) {
+cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
   constexpr int K = ring_slices(Dtype(kRt));
   auto kernel = a.layer_norm ? norm_fwd_ring_kernel<kDt, kRt, kRingResidual, true, K>
                              : norm_fwd_ring_kernel<kDt, kRt, kRingResidual, false, K>;
