@@ -1,26 +1,42 @@
-// The ring kernels: the rows of the norm alone on 16-bit x brought into a ring of shared-memory
-// stages by the bulk-copy engine, the forward's past 4096 slices (below, after the backward),
-// the backward's past 1024. The backward: dx, dweight and dbias of whole rows of 16-bit x and dy
-// without a residual stream or a gate (torch.nn.LayerNorm's and RMSNorm's backward), with the
-// rows brought into a ring of kRingStages stages. The lean backward
-// (norm_fast.cuh) keeps the next row in registers; with the dweight and dbias sums there too,
-// its 128 registers a thread allow 512 threads an SM, 32 KB of x and dy in flight an SM at 16384
-// columns, shared by the four CTAs of a cluster that meet every row: 71% of copy (one H200,
-// LayerNorm, bf16, direct timing). Here one thread a CTA issues each row's copies two rows ahead
-// (128 KB an SM at 16384 columns) and no register holds them; a CTA holds whole rows up to 16384
-// columns, so no cluster there: 84% (norm_plan.h). Past that the CTAs of a cluster share a row,
-// each with a ring of its share. Each thread reads its slices from the stage twice (the sums,
-// then dx after the row's reduction), so no register keeps x or dy across the reduction.
+// The ring kernels: whole rows of 16-bit x brought into a ring of shared-memory stages by the
+// bulk-copy engine, each row's copies issued rows ahead by one thread a CTA, so no register holds
+// them in flight; persistent CTAs (clusters) walk down the rows. The backward (dx, dweight,
+// dbias) of the norm alone or beside a float32 stream past 1024 slices; the forward (below,
+// after the backward) of the norm alone, gated or beside a residual (norm_plan.h says from
+// which widths). The lean backward (norm_fast.cuh) keeps the next row in registers; with the
+// dweight and dbias sums there too, its 128 registers a thread allow 512 threads an SM, 32 KB of
+// x and dy in flight an SM at 16384 columns, shared by the four CTAs of a cluster that meet every
+// row: 71% of copy (one H200, LayerNorm, bf16, direct timing). The ring backward issues each
+// row's copies two rows ahead (128 KB an SM at 16384 columns); a CTA holds whole rows up to
+// 16384 columns, so no cluster there: 84% (norm_plan.h). Past that the CTAs of a cluster share
+// a row, each with a ring of its share. Each thread reads its slices from the stage twice (the
+// sums, then the outputs after the row's reduction), so no register keeps them across it.
 //
-// Persistent: one CTA (cluster) a row block, rows b, b + row blocks, ...; its dweight and dbias
-// sums are row b of p.partial (p.row_blocks row blocks). Included only by the instantiation
-// files.
+// Persistent: one CTA (cluster) a row block, rows b, b + row blocks, ...; the backward's dweight
+// and dbias sums are row b of p.partial (p.row_blocks row blocks). Included only by the
+// instantiation files.
 #pragma once
 
 #include "../common/bulk_copy.cuh"
 #include "norm_fast.cuh"
 
 namespace ssm {
+
+namespace norm_detail {
+
+// Row r of t (of dtype d) from column col.
+__device__ __forceinline__ const char* row_share(const TensorRef& t, Dtype d, int64_t r,
+                                                 int64_t col) {
+  return static_cast<const char*>(t.data) + (r * t.stride[0] + col) * (slice_bytes(d) / kSlice);
+}
+
+// Slice v of a stage share of dtype d, widened.
+__device__ __forceinline__ void stage_slice(Dtype d, const uint4* share, int v, Slice& f) {
+  fetch_slice(share, d, int64_t(v) * kSlice, kSlice, true, f);
+  widen_slice(d, true, f);
+}
+
+}  // namespace norm_detail
 
 // kDt: dy and dx (16-bit); kRt: x (the forward's residual stream s), dresidual_out and dresidual,
 // float32, or kDt for the norm alone (no stream gradients). kFull: LayerNorm, or a dbias wanted
@@ -60,23 +76,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
   const int64_t step = kCluster ? gridDim.x / p.cluster : gridDim.x;
   const bool dres_in = kStream && a.dresidual_out.present();
   auto col = [&](int v) { return int64_t(first + v) * kSlice; };
-  // Row r of t (of dtype d) from the CTA's first column.
-  auto share = [&](const TensorRef& t, Dtype d, int64_t r) {
-    return static_cast<const char*>(t.data) +
-           (r * t.stride[0] + col(0)) * (slice_bytes(d) / kSlice);
-  };
   auto stage_of = [&](int j) { return ring + size_t(j % S) * (XQ + 1) * stride; };
-  // Slice v of x from a stage, widened.
-  auto stage_slice = [](const uint4* xs, int v, Slice& f) {
-    if constexpr (XQ == 1) {
-      unpack_slice(R, xs[v], f);
-    } else {
-      const float4 lo = reinterpret_cast<const float4*>(xs)[2 * v];
-      const float4 hi = reinterpret_cast<const float4*>(xs)[2 * v + 1];
-      f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w;
-      f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
-    }
-  };
 
   // Thread 0: the copies of the block's j-th row into stage j % S, if that row exists.
   auto issue = [&](int j) {
@@ -86,9 +86,9 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
     uint64_t* bar = &landed[j % S];
     const unsigned x_bytes = unsigned(n) * slice_bytes(R), dy_bytes = unsigned(n) * 16u;
     mbarrier_expect_bytes(bar, x_bytes + dy_bytes);
-    bulk_copy_to_shared(stage, share(a.x, R, r), x_bytes, bar);
-    bulk_copy_to_shared(stage + XQ * stride, share(a.dy, D, r), dy_bytes, bar);
-    if (dres_in) prefetch_l2_bulk(share(a.dresidual_out, R, r), x_bytes);
+    bulk_copy_to_shared(stage, row_share(a.x, R, r, col(0)), x_bytes, bar);
+    bulk_copy_to_shared(stage + XQ * stride, row_share(a.dy, D, r, col(0)), dy_bytes, bar);
+    if (dres_in) prefetch_l2_bulk(row_share(a.dresidual_out, R, r, col(0)), x_bytes);
   };
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
       const int v = lane + k * T;
       if (v >= n) continue;
       Slice xhat, g;
-      stage_slice(xs, v, xhat);
+      stage_slice(R, xs, v, xhat);
       unpack_slice(D, dys[v], g);
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
       const int v = lane + k * T;
       if (v >= n) continue;
       Slice xhat, g;
-      stage_slice(xs, v, xhat);
+      stage_slice(R, xs, v, xhat);
       unpack_slice(D, dys[v], g);
 
 #pragma unroll
@@ -239,13 +239,9 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
     uint64_t* bar = &landed[j % S];
     const unsigned x_bytes = unsigned(n) * 16u, b_bytes = unsigned(n) * 16u * BQ;
     mbarrier_expect_bytes(bar, x_bytes + b_bytes);
-    bulk_copy_to_shared(stage, static_cast<const uint16_t*>(a.x.data) + r * a.x.stride[0] + col(0),
-                        x_bytes, bar);
+    bulk_copy_to_shared(stage, row_share(a.x, D, r, col(0)), x_bytes, bar);
     if (BQ > 0)
-      bulk_copy_to_shared(stage + p.cta_slices,
-                        static_cast<const char*>(second.data) +
-                            (r * second.stride[0] + col(0)) * (slice_bytes(R) / kSlice),
-                        b_bytes, bar);
+      bulk_copy_to_shared(stage + p.cta_slices, row_share(second, R, r, col(0)), b_bytes, bar);
   };
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -320,8 +316,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) g[e] *= silu(u[e]);
       } else if constexpr (kOp == kRingResidual) {
-        fetch_slice(bs, R, int64_t(v) * kSlice, kSlice, true, u);
-        widen_slice(R, true, u);
+        stage_slice(R, bs, v, u);
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) g[e] += u[e];
         if (a.residual_out.present())
