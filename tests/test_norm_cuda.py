@@ -230,6 +230,31 @@ def test_residual_ring_rows(case, dtype, stream, seed):
     forward_on_gpu_and_cpu(case, inputs, **extra)
 
 
+# The ring forward's LayerNorm merges its CTAs' moments (norm_ring.cuh) on rows whose variance a
+# float32 sum of squares around a poorly chosen centre would lose: each CTA share's first element
+# far from the others, which are equal (1024 slices a CTA: columns 0, 8192, ... start the
+# shares), or every element far from zero; beside no residual and beside a float32 stream.
+@pytest.mark.parametrize("case", (LAYER.replace(hidden=24584, lead=(300,)),
+                                  LAYER.replace(hidden=65536, residual=True, lead=(150,))),
+                         ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("rows", ["spikes", "offset"])
+def test_ring_layer_norm_shift(case, dtype, rows, seed):
+    extra, dtypes = {}, None
+    if case.residual:
+        extra, dtypes = {"residual_dtype": torch.float32}, {"residual": torch.float32}
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda", dtypes=dtypes)
+    x = inputs["x"]
+    if rows == "spikes":
+        x.fill_(0.25)
+        x[..., ::8192] = 100.0
+        if case.residual:
+            inputs["residual"].zero_()
+    else:
+        x.add_(120.0)
+    forward_on_gpu_and_cpu(case, inputs, **extra)
+
+
 @pytest.mark.parametrize("case", RING_ROWS, ids=case_id)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("weight", ["float32", "x"])

@@ -193,9 +193,15 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
 // - kRingGateAfter: an RMSNorm of g = x, y = (norm(g) w (+ b)) silu(z);
 // - kRingResidual: g = x + residual, the stream s in kRt (kDt or float32), stored as
 //   residual_out when asked for; RMSNorm or LayerNorm (kLayer).
-// Each thread reads its slices from the stage again after the row's reductions, so no register
-// keeps them across; a LayerNorm takes the mean, then the deviations from it (a second read of
-// the stage and a second reduction). The first pass writes g back over its slice in float32
+// Each thread reads its slices from the stage again after the row's reduction, so no register
+// keeps them across. A LayerNorm takes each CTA's mean, then the deviations from it (a second
+// read of the stage, two rounds across the CTA), and the CTAs merge their moments: one cluster
+// round a row where the row's mean and then its deviations took two (one H200, bf16, % of copy:
+// level alone, 86-88 -> 89-90 beside a float32 stream from 40960 to 65536 columns). One round
+// across the CTA, summing g - c and (g - c)^2 around c, the share's first g, ran the norm alone
+// at 83-90 against 72-86 from 20480 columns, but its cancellation cost up to ~1e-3 of the
+// variance where c stands far from the rest (test_ring_layer_norm_shift). The first pass writes
+// g back over its slice in float32
 // where it is neither x nor derived from x alone (recomputing x silu(z) for y would cost two more
 // exponentials and reciprocals an element), over the second operand's 32 bytes when it is
 // float32, else over both operands' 16. The stage is refilled once the next row's first
@@ -214,7 +220,8 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
   static_assert(D != Dtype::F32, "a slice of x is one 16-byte copy");
   __shared__ uint64_t landed[S];
   __shared__ float red[2][kNormMaxThreads / 32];
-  __shared__ ClusterInbox<1> inbox[2];
+  // A LayerNorm's CTAs merge their moments (mean, m2, count) across the cluster.
+  __shared__ ClusterInbox<kLayer ? 3 : 1> inbox[2];
   cluster_inbox_init(inbox);
   // Stage s: the CTA's share of a row's x, then of its second operand (z or the residual).
   extern __shared__ uint4 ring[];
@@ -291,14 +298,6 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
     }
   };
   const float inv_len = 1.f / float(a.group_size);
-  int sums = 0;  // reductions so far: each takes the next inbox and reduction buffer
-  auto row_sum = [&](float v) {
-    float t[1] = {v};
-    segment_sum<1>(t, T, red[sums & 1], true);
-    cluster_push_sum(t, inbox[sums & 1], p.cluster, rank, (sums >> 1) & 1);
-    ++sums;
-    return t[0];
-  };
   int j = 0;
   for (int64_t r = row0; r < a.rows; r += step, ++j) {
     uint4* xs = stage_of(j);
@@ -336,20 +335,30 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
     // The stores above reach the stage through the generic proxy; the bulk copy that refills
     // it later writes through the async one.
     if constexpr (kKeep) fence_shared_for_copies();
-    acc = row_sum(acc);
+    // Reduction buffers: a LayerNorm's two rounds take one each, an RMSNorm's rows take them in
+    // turn (segment_reduce's red_free).
+    float t[1] = {acc};
+    segment_sum<1>(t, T, red[kLayer ? 0 : j & 1], true);
     // Past that barrier every thread is done with the previous row's stage: refill it.
     if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
-    float mean = 0.f, var = acc * inv_len;
+    float mean = 0.f, var;
     if constexpr (kLayer) {
-      // The deviations from the mean in a second round: the stage holds g, so it costs reads
-      // of shared memory only.
-      mean = var;
-      float dev = 0.f;
+      // The CTA's moments, its mean, then the deviations from it (shared memory only, the stage
+      // holding g), merged across the cluster.
+      const float count = float(n * kSlice), mu = __fdividef(t[0], count);
+      float dev[1] = {0.f};
       each_g(xs, [&](int, int, Slice& g) {
 #pragma unroll
-        for (int e = 0; e < kSlice; ++e) dev = fmaf(g[e] - mean, g[e] - mean, dev);
+        for (int e = 0; e < kSlice; ++e) dev[0] = fmaf(g[e] - mu, g[e] - mu, dev[0]);
       });
-      var = row_sum(dev) * inv_len;
+      segment_sum<1>(dev, T, red[1], true);
+      Moments m = {mu, dev[0], count};
+      cluster_reduce(m, inbox[j & 1], p.cluster, rank, (j >> 1) & 1, MergeMoments());
+      mean = m[0];
+      var = m[1] * inv_len;
+    } else {
+      cluster_push_sum(t, inbox[j & 1], p.cluster, rank, (j >> 1) & 1);
+      var = t[0] * inv_len;
     }
     const float rstd = rsqrtf(var + a.eps);
     if (lane == 0 && rank == 0) {
