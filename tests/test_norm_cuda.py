@@ -231,15 +231,16 @@ def test_residual_ring_rows(case, dtype, stream, seed):
 
 
 # The ring forward's LayerNorm merges its CTAs' moments (norm_ring.cuh) on rows whose variance a
-# float32 sum of squares around a poorly chosen centre would lose: each CTA share's first element
-# far from the others, which are equal (1024 slices a CTA: columns 0, 8192, ... start the
-# shares), or every element far from zero; beside no residual and beside a float32 stream.
+# float32 sum of squares around a poorly chosen centre would lose: one element in 8192 far from
+# the others, which are equal (the first of every CTA's share beside a float32 stream, eight CTAs
+# of 1024 slices; of the first CTA's without a residual, four of 769), or every element far from
+# zero.
 @pytest.mark.parametrize("case", (LAYER.replace(hidden=24584, lead=(300,)),
                                   LAYER.replace(hidden=65536, residual=True, lead=(150,))),
                          ids=case_id)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("rows", ["spikes", "offset"])
-def test_ring_layer_norm_shift(case, dtype, rows, seed):
+def test_ring_layer_norm_moments(case, dtype, rows, seed):
     extra, dtypes = {}, None
     if case.residual:
         extra, dtypes = {"residual_dtype": torch.float32}, {"residual": torch.float32}
