@@ -200,11 +200,10 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
 // level alone, 86-88 -> 89-90 beside a float32 stream from 40960 to 65536 columns). One round
 // across the CTA, summing g - c and (g - c)^2 around c, the share's first g, ran the norm alone
 // at 83-90 against 72-86 from 20480 columns, but its cancellation cost up to ~1e-3 of the
-// variance where c stands far from the rest (test_ring_layer_norm_moments). The first pass writes
-// g back over its slice in float32
-// where it is neither x nor derived from x alone (recomputing x silu(z) for y would cost two more
-// exponentials and reciprocals an element), over the second operand's 32 bytes when it is
-// float32, else over both operands' 16. The stage is refilled once the next row's first
+// variance where c stands far from the rest (test_ring_layer_norm_moments). The first pass
+// writes g back over its slice in float32 where it is neither x nor derived from x alone
+// (recomputing x silu(z) for y would cost two more exponentials and reciprocals an element),
+// over the second operand's 32 bytes when it is float32, else over both operands' 16. The stage is refilled once the next row's first
 // reduction barrier has passed. The scale and bias are held in registers for the whole walk
 // (persistent clusters: cluster c takes rows c, c + clusters, ...). K slices a thread.
 enum RingOp { kRingAlone = 0, kRingGateFirst = 1, kRingGateAfter = 2, kRingResidual = 3 };
