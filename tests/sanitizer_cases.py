@@ -108,7 +108,8 @@ NORM_CASES = [
     # 129 slices in 64 threads (one lane holding a third), an RMSNorm in 512 threads every lane
     # full; a LayerNorm's 8 slices a thread, 1030 slices in 256 threads (six lanes a fifth).
     # Past 2048 slices, clusters: an RMSNorm of two CTAs of 1281 and 1280, 8 slices a thread; a
-    # LayerNorm there takes the ring forward (four CTAs of 769 and 766 slices).
+    # LayerNorm there takes the ring forward (seven CTAs of 440 slices in 128 threads, the last
+    # 433).
     (4, 1024, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, None),
     (5, 1032, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (3, 16384, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
@@ -116,8 +117,10 @@ NORM_CASES = [
     (37, 24584, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (7, 20488, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
     # The ring forward of the norm alone: a LayerNorm of six CTAs of 854 slices, the last 851,
-    # enough rows that every cluster walks its ring of stages more than once.
+    # and of five of 512 in 128 threads, enough rows that every cluster walks its ring of stages
+    # more than once.
     (200, 40968, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
+    (300, 20480, 0, "layer", torch.float16, torch.float32, False, True, 0, None),
     # The ring backward (16-bit rows without a residual, from 1025 slices): a LayerNorm at 1537
     # slices (the last lanes' fourth slice idle), an RMSNorm at 1025, and past 2048 slices on
     # clusters a LayerNorm of two CTAs of 1537 and 1536 slices, enough rows that every CTA walks
@@ -126,14 +129,15 @@ NORM_CASES = [
     (301, 8200, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
     (300, 24584, 0, "layer", torch.float16, torch.float32, False, True, 0, None),
     # The ring forward: an RMSNorm of 16-bit rows gated in one group from 513 slices, the
-    # gate first on two CTAs of 513 and 512 slices, after the norm on four of 769 and 766; a
-    # LayerNorm beside a residual from 4097 slices (its stream float32, then bf16) on six CTAs
-    # of 854 slices, the last 851; enough rows that every cluster walks its ring of stages more
-    # than once.
+    # gate first on two CTAs of 513 and 512 slices, after the norm on seven of 440, the last 433;
+    # a LayerNorm beside a residual from 4097 slices (its stream float32, then bf16) on six CTAs
+    # of 854 slices, the last 851, and beside a float32 stream from 1281 on two of 769 and 768;
+    # enough rows that every cluster walks its ring of stages more than once.
     (300, 8200, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
     (250, 24584, 0, "rms", torch.float16, torch.float16, True, True, 0, None),
     (200, 40968, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
     (200, 40968, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
+    (300, 12296, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
     # The staged forward without a gate: an RMSNorm of 16-bit rows beside their dtype, 769 slices.
     (5, 6152, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     # The staged forward with a gate on groups of 33 slices (16 threads a segment).

@@ -71,11 +71,12 @@ HELD_ROWS = (
 # full), 8240 (1030 slices in 256 threads, six lanes holding a fifth: the moments of unequal counts)
 # and 16384. Past 2048 slices the CTAs of a cluster share an RMSNorm's row: two CTAs of 8 slices a
 # thread, 5 of them held (20480). The ring forward (norm_ring.cuh) takes a LayerNorm past 2048
-# slices and an RMSNorm past 4096 on clusters of 1024-slice CTAs: a LayerNorm of four CTAs of 769
-# slices, the last 766 (24584 columns, fewer rows than clusters), and, with enough rows that each
-# cluster walks its ring of three stages several times, of six CTAs of 854, the last 851 (40968), a
-# zero-centred RMSNorm of six full ones (49152), and of eight with a bias (65536; a LayerNorm too,
-# on three rows).
+# slices and an RMSNorm past 4096 on clusters of CTAs of up to 1024 slices, from three CTAs as
+# many as leave the fewest thread slots idle: a LayerNorm of seven CTAs of 440 slices in 128
+# threads, the last 433 (24584 columns, fewer rows than clusters: unequal counts), and, with
+# enough rows that each cluster walks its ring of three stages several times, of five of 512 in
+# 128 threads (20480), of six CTAs of 854, the last 851 (40968), a zero-centred RMSNorm of six
+# full ones (49152), and of eight with a bias (65536; a LayerNorm too, on three rows).
 PLAIN_ROWS = (
     LAYER.replace(hidden=1024, lead=(3,)),
     LAYER.replace(hidden=1040, lead=(13,)),
@@ -88,6 +89,7 @@ PLAIN_ROWS = (
     LAYER.replace(hidden=24584, lead=(37,)),
     LAYER.replace(hidden=65536, lead=(3,)),
     BASE.replace(hidden=20480, lead=(5,)),
+    LAYER.replace(hidden=20480, lead=(300,)),
     LAYER.replace(hidden=40968, lead=(300,)),
     BASE.replace(hidden=49152, zero_centered_weight=True, lead=(250,)),
     BASE.replace(hidden=65536, bias=True, lead=(300,)),
@@ -112,8 +114,8 @@ RING_ROWS = (
 # to 1024 slices, enough rows that every cluster walks its ring of three stages more than once:
 # one CTA at 5128 columns (641 slices in 256 threads, 129 lanes holding a third; the gate after the
 # norm), the gate first at 8200 columns (two CTAs of 513 and 512 slices) and at 65536 (eight, a
-# zero-centred weight), the gate after the norm at 24584 with a bias (four CTAs of 769 slices,
-# the last 766).
+# zero-centred weight), the gate after the norm at 24584 with a bias (seven CTAs of 440 slices,
+# the last 433).
 GATED_RING_ROWS = (
     BASE.replace(hidden=5128, z=True, lead=(400,)),
     BASE.replace(hidden=8200, z=True, norm_before_gate=False, lead=(300,)),
@@ -122,11 +124,14 @@ GATED_RING_ROWS = (
                  lead=(150,)),
 )
 # The ring forward takes 16-bit x beside a residual (its stream in x's dtype or float32) in
-# one group without a gate from 4097 slices (test_residual_ring_rows), enough rows that every
-# cluster walks its ring more than once: a LayerNorm returning the stream at 40968 columns (six
-# CTAs of 854 slices, the last 851), an RMSNorm with a bias at 49152 (six full ones), a
-# LayerNorm at 65536 (eight) returning the stream.
+# one group without a gate from 4097 slices, a LayerNorm beside a float32 stream from 1281
+# (test_residual_ring_rows), enough rows that every cluster walks its ring more than once: a
+# LayerNorm at 12296 columns (two CTAs of 769 and 768 slices in 512 threads beside a float32
+# stream: unequal counts), returning the stream at 40968 (six CTAs of 854 slices, the last 851),
+# an RMSNorm with a bias at 49152 (six full ones), a LayerNorm at 65536 (eight) returning the
+# stream.
 RESIDUAL_RING_ROWS = (
+    LAYER.replace(hidden=12296, residual=True, lead=(400,)),
     LAYER.replace(hidden=40968, residual=True, prenorm=True, lead=(200,)),
     BASE.replace(hidden=49152, residual=True, bias=True, lead=(200,)),
     LAYER.replace(hidden=65536, residual=True, prenorm=True, lead=(150,)),
@@ -233,8 +238,8 @@ def test_residual_ring_rows(case, dtype, stream, seed):
 # The ring forward's LayerNorm merges its CTAs' moments (norm_ring.cuh) on rows whose variance a
 # float32 sum of squares around a poorly chosen centre would lose: one element in 8192 far from
 # the others, which are equal (the first of every CTA's share beside a float32 stream, eight CTAs
-# of 1024 slices; of the first CTA's without a residual, four of 769), or every element far from
-# zero.
+# of 1024 slices; of the first CTA's without a residual, seven of 440), or every element far from
+# zero. At column 0 the far element is its thread's first and its warp's lane 0's.
 @pytest.mark.parametrize("case", (LAYER.replace(hidden=24584, lead=(300,)),
                                   LAYER.replace(hidden=65536, residual=True, lead=(150,))),
                          ids=case_id)

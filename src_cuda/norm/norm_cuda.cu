@@ -39,6 +39,21 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int slices_of(const NormArgs& a) { return int(ceil_div(a.group_size, kSlice)); }
 
+// The ring forward's CTAs a cluster for rows of nslices slices (norm_plan.h): the fewest that hold
+// a row, kRingFwdCtaSlices each, and from three of them, of the counts up to kMaxCluster the one
+// whose CTAs (a power of two threads each, K slices a thread) leave the fewest slots idle.
+int ring_fwd_cluster(int nslices, int K) {
+  const int least = int(ceil_div(nslices, kRingFwdCtaSlices));
+  if (least < kRingBalancedFrom) return least;
+  int best = least;
+  int64_t best_slots = INT64_MAX;
+  for (int c = least; c <= kMaxCluster; ++c) {
+    const int64_t slots = int64_t(c) * K * pow2_at_least(ceil_div(ceil_div(nslices, c), K));
+    if (slots < best_slots) best = c, best_slots = slots;
+  }
+  return best;
+}
+
 NormPlan shape_plan(const NormArgs& a, int K, int cluster = 1) {
   NormPlan p;
   p.nslices = slices_of(a);
@@ -361,13 +376,15 @@ int plain_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
 // it.
 int ring_fwd_plan(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
-  const int cluster = int(ceil_div(nslices, kRingFwdCtaSlices));
+  const int cluster = ring_fwd_cluster(nslices, ring_slices(Dtype(d.rt)));
   const bool residual = a.residual.present() || a.residual_out.present();
   const bool alone = !a.z.present() && !residual && d.rt == d.dt &&
                      nslices >= (a.layer_norm ? kRingLayerMinSlices : kRingFwdMinSlices);
   const bool gated = a.z.present() && !a.layer_norm && d.rt == d.dt && !residual &&
                      nslices >= kRingGatedMinSlices;
-  const bool stream = !a.z.present() && a.residual.present() && nslices >= kRingFwdMinSlices;
+  const bool f32_layer = a.layer_norm && Dtype(d.rt) == Dtype::F32;
+  const bool stream = !a.z.present() && a.residual.present() &&
+                      nslices >= (f32_layer ? kRingStreamLayerMinSlices : kRingFwdMinSlices);
   return (alone || gated || stream) && Dtype(d.dt) != Dtype::F32 && a.ngroups == 1 &&
                  cluster <= kMaxCluster && a.rows <= INT_MAX / cluster &&
                  cluster_kernels_run(device)

@@ -204,12 +204,12 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 
 // The ring forward (norm_ring.cuh): whole rows of 16-bit x in one group, alone, gated (an
 // RMSNorm without a residual) or beside a residual (its stream in x's dtype or float32, no gate),
-// in persistent clusters of ceil(nslices / kRingFwdCtaSlices) CTAs (one up to 8192 columns),
-// ring_slices(stream dtype) slices a thread, x and the second operand copied by the bulk-copy
-// engine into kRingFwdStages stages (ring_fwd_bytes: 96 KB a 1024-slice CTA of 16-bit x and z,
-// two CTAs an SM in 104-113 registers; 48 KB a slice beside a float32 stream, 2 slices a thread
-// in 512 threads, one CTA an SM). Returns cudaErrorInvalidClusterSize, launching nothing, when
-// not one cluster fits on the device. One H200, bf16, % of copy, the forward that took those
+// in persistent clusters of at least ceil(nslices / kRingFwdCtaSlices) CTAs (one up to 8192
+// columns; ring_fwd_cluster, below), ring_slices(stream dtype) slices a thread, x and the second
+// operand copied by the bulk-copy engine into kRingFwdStages stages (ring_fwd_bytes: 96 KB a
+// 1024-slice CTA of 16-bit x and z, two CTAs an SM in 104-113 registers; 48 KB a slice beside a
+// float32 stream, 2 slices a thread in 512 threads, one CTA an SM). Returns
+// cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the device. One H200, bf16, % of copy, the forward that took those
 // rows before against this one:
 // - the norm alone, a LayerNorm from kRingLayerMinSlices (the plain forward's clusters below
 //   4097 slices, a ring forward holding x in registers from there, which ran RMSNorm at 90-92):
@@ -225,9 +225,18 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 //   float32 stream 83 / 87, 83 / 86, 82 / 87 at 40960, 49152, 65536 columns; RMSNorm beside a
 //   bf16 stream 85 / 93, 90 / 92, 91 / 92. Below that it lost at most widths (RMSNorm 95-99 /
 //   87-93 from 10240 to 20480 columns; LayerNorm 87-89 / 83-87 from 16384 to 24576, though
-//   86 / 90 at 12288).
+//   86 / 90 at 12288). A LayerNorm beside a float32 stream from kRingStreamLayerMinSlices, once
+//   the ring's one-round statistics (norm_ring.cuh) made it faster there: 86-87 / 90 at 12288,
+//   88-89 / 91 at 14336, 88 / 90-91 at 16384, 88 / 89-90 at 20480, level (88) from 24576 to
+//   32768; it lost at 10240 (93 / 88).
+// Clusters of kRingBalancedFrom CTAs and more take, up to kMaxCluster, the count that leaves the
+// fewest thread slots idle (ring_fwd_cluster), not the fewest CTAs: at 20480 columns three CTAs
+// of 854 slices in 256 threads left a sixth of the slots idle, five of 512 in 128 threads none.
+// LayerNorm alone 68 / 86-87 at 20480 and 74 / 87-88 at 28672 (seven CTAs), gated 84 / 91-94 at
+// 20480. From two CTAs it lost (gated 95 / 90 at 10240, three CTAs of 427 slices).
 constexpr int kRingFwdStages = 3, kRingFwdCtaSlices = 1024, kRingFwdMinSlices = 4097;
 constexpr int kRingLayerMinSlices = 2049, kRingGatedMinSlices = 513;
+constexpr int kRingStreamLayerMinSlices = 1281, kRingBalancedFrom = 3;
 template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 

@@ -194,18 +194,20 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
 // - kRingResidual: g = x + residual, the stream s in kRt (kDt or float32), stored as
 //   residual_out when asked for; RMSNorm or LayerNorm (kLayer).
 // Each thread reads its slices from the stage again after the row's reduction, so no register
-// keeps them across. A LayerNorm takes each CTA's mean, then the deviations from it (a second
-// read of the stage, two rounds across the CTA), and the CTAs merge their moments: one cluster
-// round a row where the row's mean and then its deviations took two (one H200, bf16, % of copy:
-// level alone, 86-88 -> 89-90 beside a float32 stream from 40960 to 65536 columns). One round
-// across the CTA, summing g - c and (g - c)^2 around c, the share's first g, ran the norm alone
-// at 83-90 against 72-86 from 20480 columns, but its cancellation cost up to ~1e-3 of the
-// variance where c stands far from the rest (test_ring_layer_norm_moments). The first pass
-// writes g back over its slice in float32 where it is neither x nor derived from x alone
-// (recomputing x silu(z) for y would cost two more exponentials and reciprocals an element),
-// over the second operand's 32 bytes when it is float32, else over both operands' 16. The stage is refilled once the next row's first
-// reduction barrier has passed. The scale and bias are held in registers for the whole walk
-// (persistent clusters: cluster c takes rows c, c + clusters, ...). K slices a thread.
+// keeps them across. A LayerNorm's statistics take one pass over the stage and one round across
+// the CTA: each thread sums g - c and (g - c)^2 around c, its own first g, into its moments
+// (stable: c is one of the thread's own elements, so n (mean - c)^2 <= n m2 with n <= 32),
+// block_moments adds the threads' and the CTAs merge theirs in one cluster round. One H200,
+// bf16, % of copy, against the CTA's mean and then its deviations (a second read of the stage,
+// a second round): the norm alone 83 / 87 at 24576 columns, 86 / 89 at 32768, 81-82 / 85-86 at
+// 40960 and 49152, 83 / 87 at 65536. The same sums around the first g of the CTA's share ran
+// as fast but lost ~1e-3 of the variance where that g stands far from the rest
+// (test_ring_layer_norm_moments). The first pass writes g back over its slice in float32 where
+// it is neither x nor derived from x alone (recomputing x silu(z) for y would cost two more
+// exponentials and reciprocals an element), over the second operand's 32 bytes when it is
+// float32, else over both operands' 16. The stage is refilled once the next row's reduction
+// barrier has passed. The scale and bias are held in registers for the whole walk (persistent
+// clusters: cluster c takes rows c, c + clusters, ...). K slices a thread.
 enum RingOp { kRingAlone = 0, kRingGateFirst = 1, kRingGateAfter = 2, kRingResidual = 3 };
 template <int kDt, int kRt, int kOp, bool kLayer, int K>
 __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
@@ -218,7 +220,9 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
   constexpr bool kKeep = kOp != kRingGateAfter && kOp != kRingAlone;
   static_assert(D != Dtype::F32, "a slice of x is one 16-byte copy");
   __shared__ uint64_t landed[S];
-  __shared__ float red[2][kNormMaxThreads / 32];
+  __shared__ float red[2][kNormMaxThreads / 32 * (kLayer ? 2 : 1)];
+  // A LayerNorm's elements a warp sums, the same in every row (block_moments).
+  __shared__ float warp_counts[kLayer ? kNormMaxThreads / 32 : 1];
   // A LayerNorm's CTAs merge their moments (mean, m2, count) across the cluster.
   __shared__ ClusterInbox<kLayer ? 3 : 1> inbox[2];
   cluster_inbox_init(inbox);
@@ -268,7 +272,11 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
       widen_slice(a.bias.dtype, true, b[k]);
     }
   }
-  __syncthreads();  // the mbarriers are ready
+  // The elements this thread sums in every row of a LayerNorm.
+  const float held = lane < n ? float(((n - 1 - lane) / T + 1) * kSlice) : 0.f;
+  const float inv_held = held > 0.f ? 1.f / held : 0.f;
+  if (kLayer) block_warp_counts(held, warp_counts);
+  __syncthreads();  // the mbarriers and warp_counts are ready
   cluster_inbox_ready();
 
   // g of slice v from the stage: kept in float32, or x.
@@ -302,7 +310,9 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
     uint4* xs = stage_of(j);
     const uint4* bs = xs + p.cta_slices;
     mbarrier_wait(&landed[j % S], unsigned(j / S) & 1u);
-    float acc = 0.f;
+    // An RMSNorm's sum of g^2; a LayerNorm's sums of g - shift and its square, shift the
+    // thread's first g.
+    float acc = 0.f, acc2 = 0.f, shift = 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int v = lane + k * T;
@@ -328,34 +338,37 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
               make_uint4(__float_as_uint(g[4 * h]), __float_as_uint(g[4 * h + 1]),
                          __float_as_uint(g[4 * h + 2]), __float_as_uint(g[4 * h + 3]));
       }
+      if constexpr (kLayer) {
+        if (k == 0) shift = g[0];
 #pragma unroll
-      for (int e = 0; e < kSlice; ++e) acc = kLayer ? acc + g[e] : fmaf(g[e], g[e], acc);
+        for (int e = 0; e < kSlice; ++e) {
+          const float d = g[e] - shift;
+          acc += d;
+          acc2 = fmaf(d, d, acc2);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) acc = fmaf(g[e], g[e], acc);
+      }
     }
     // The stores above reach the stage through the generic proxy; the bulk copy that refills
     // it later writes through the async one.
     if constexpr (kKeep) fence_shared_for_copies();
-    // Reduction buffers: a LayerNorm's two rounds take one each, an RMSNorm's rows take them in
-    // turn (segment_reduce's red_free).
-    float t[1] = {acc};
-    segment_sum<1>(t, T, red[kLayer ? 0 : j & 1], true);
-    // Past that barrier every thread is done with the previous row's stage: refill it.
-    if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
+    // The rows take the two reduction buffers in turn (segment_reduce's red_free).
+    float* const rb = red[j & 1];
     float mean = 0.f, var;
     if constexpr (kLayer) {
-      // The CTA's moments, its mean, then the deviations from it (shared memory only, the stage
-      // holding g), merged across the cluster.
-      const float count = float(n * kSlice), mu = __fdividef(t[0], count);
-      float dev[1] = {0.f};
-      each_g(xs, [&](int, int, Slice& g) {
-#pragma unroll
-        for (int e = 0; e < kSlice; ++e) dev[0] = fmaf(g[e] - mu, g[e] - mu, dev[0]);
-      });
-      segment_sum<1>(dev, T, red[1], true);
-      Moments m = {mu, dev[0], count};
+      Moments m = {shift + acc * inv_held, fmaxf(acc2 - acc * (acc * inv_held), 0.f), held};
+      block_moments<kNormMaxThreads>(m, warp_counts, rb);
+      // Past that barrier every thread is done with the previous row's stage: refill it.
+      if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
       cluster_reduce(m, inbox[j & 1], p.cluster, rank, (j >> 1) & 1, MergeMoments());
       mean = m[0];
       var = m[1] * inv_len;
     } else {
+      float t[1] = {acc};
+      segment_sum<1>(t, T, rb, true);
+      if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
       cluster_push_sum(t, inbox[j & 1], p.cluster, rank, (j >> 1) & 1);
       var = t[0] * inv_len;
     }
