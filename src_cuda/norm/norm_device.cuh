@@ -122,57 +122,6 @@ __device__ __forceinline__ void segment_moments(Moments& m, int threads, float* 
     segment_reduce<3, kMaxThreads>(m, threads, red, true, MergeMoments());
 }
 
-// The block's moments from each thread's own (count 0 for a thread holding none; in every warp
-// lane 0 holds at least as many as any other lane), in one round through shared memory, with
-// sums in place of segment_moments' merges: each warp adds its lanes' deviations around its lane
-// 0's mean, then every thread adds the warps' around warp 0's in warp order, so no step divides
-// and any counts add (the general merge's division a step cost the ring forward 4-5 points of
-// copy where the threads held unequal counts). Stable: a set's squared distance from the mean
-// it is taken around is at most its m2 times its count over that mean's set's count (32 lanes,
-// or the warps), so no large mean cancels. `warp_counts[w]`: warp w's total count, the same in
-// every row (block_warp_counts); `red`: 2 floats a warp, which no thread may still be reading
-// from an earlier call. Every thread gets the same bits.
-template <int kMaxThreads>
-__device__ __forceinline__ void block_moments(Moments& m, const float* warp_counts, float* red) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  const float shift = __shfl_sync(0xffffffffu, m[0], 0);
-  const float d = m[0] - shift, nd = m[2] * d;
-  float s[2] = {nd, fmaf(nd, d, m[1])};
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) s[i] += __shfl_xor_sync(0xffffffffu, s[i], o);
-  }
-  if (lane == 0) {
-    const float count = warp_counts[warp], inv = count > 0.f ? __fdividef(1.f, count) : 0.f;
-    red[2 * warp] = shift + s[0] * inv;
-    red[2 * warp + 1] = fmaxf(s[1] - s[0] * (s[0] * inv), 0.f);
-  }
-  __syncthreads();
-  const float c = red[0];
-  float t1 = 0.f, t2 = 0.f, count = 0.f;
-#pragma unroll
-  for (int w = 0; w < kMaxThreads / 32; ++w) {
-    if (w >= warps) break;
-    const float nw = warp_counts[w], dw = red[2 * w] - c, ndw = nw * dw;
-    t1 += ndw;
-    t2 += fmaf(ndw, dw, red[2 * w + 1]);
-    count += nw;
-  }
-  const float inv = count > 0.f ? __fdividef(1.f, count) : 0.f;
-  m[0] = c + t1 * inv;
-  m[1] = fmaxf(t2 - t1 * (t1 * inv), 0.f);
-  m[2] = count;
-}
-
-// block_moments' warp_counts: lane 0 of each warp stores its warp's total of `count` (each
-// thread's, the same in every row). Visible to the block after its next barrier.
-__device__ __forceinline__ void block_warp_counts(float count, float* warp_counts) {
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) count += __shfl_xor_sync(0xffffffffu, count, o);
-  if ((threadIdx.x & 31) == 0) warp_counts[threadIdx.x >> 5] = count;
-}
-
 // Where a thread's work lies: its segment lane and slot, the group of its block and, when the
 // CTAs of a cluster share each segment (`shared`, a compile-time constant in every caller, so
 // the others keep none of this arithmetic), the block's share of it: consecutive slices from

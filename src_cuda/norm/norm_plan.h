@@ -202,15 +202,15 @@ constexpr int kRingMinSlices = 2 * kNormMaxThreads + 1;
 template <int kDt, int kRt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
-// The ring forward (norm_ring.cuh): whole rows of 16-bit x in one group, alone, gated (an
-// RMSNorm without a residual) or beside a residual (its stream in x's dtype or float32, no gate),
-// in persistent clusters of at least ceil(nslices / kRingFwdCtaSlices) CTAs (one up to 8192
-// columns; ring_fwd_cluster, below), ring_slices(stream dtype) slices a thread, x and the second
-// operand copied by the bulk-copy engine into kRingFwdStages stages (ring_fwd_bytes: 96 KB a
-// 1024-slice CTA of 16-bit x and z, two CTAs an SM in 104-113 registers; 48 KB a slice beside a
-// float32 stream, 2 slices a thread in 512 threads, one CTA an SM). Returns
-// cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the device. One H200, bf16, % of copy, the forward that took those
-// rows before against this one:
+// The ring forward (norm_ring.cuh): whole rows of 16-bit x in one group, alone, gated (an RMSNorm
+// without a residual) or beside a residual (its stream in x's dtype or float32, no gate), in
+// persistent clusters of at least ceil(nslices / kRingFwdCtaSlices) CTAs (one up to 8192 columns;
+// ring_fwd_cluster, below), ring_slices(stream dtype) slices a thread, x and the second operand
+// copied by the bulk-copy engine into kRingFwdStages stages (ring_fwd_bytes: 96 KB a 1024-slice CTA
+// of 16-bit x and z, two CTAs an SM in 104-113 registers; 48 KB a slice beside a float32 stream, 2
+// slices a thread in 512 threads, one CTA an SM). Returns cudaErrorInvalidClusterSize, launching
+// nothing, when not one cluster fits on the device. One H200, bf16, % of copy, the forward that
+// took those rows before against this one:
 // - the norm alone, a LayerNorm from kRingLayerMinSlices (the plain forward's clusters below
 //   4097 slices, a ring forward holding x in registers from there, which ran RMSNorm at 90-92):
 //   68 / 72 at 20480 columns, 72 / 83 at 24576, 78 / 86 at 32768, 75 / 81 at 40960 and 49152,

@@ -193,21 +193,22 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
 // - kRingGateAfter: an RMSNorm of g = x, y = (norm(g) w (+ b)) silu(z);
 // - kRingResidual: g = x + residual, the stream s in kRt (kDt or float32), stored as
 //   residual_out when asked for; RMSNorm or LayerNorm (kLayer).
-// Each thread reads its slices from the stage again after the row's reduction, so no register
-// keeps them across. A LayerNorm's statistics take one pass over the stage and one round across
-// the CTA: each thread sums g - c and (g - c)^2 around c, its own first g, into its moments
-// (stable: c is one of the thread's own elements, so n (mean - c)^2 <= n m2 with n <= 32),
-// block_moments adds the threads' and the CTAs merge theirs in one cluster round. One H200,
-// bf16, % of copy, against the CTA's mean and then its deviations (a second read of the stage,
-// a second round): the norm alone 83 / 87 at 24576 columns, 86 / 89 at 32768, 81-82 / 85-86 at
-// 40960 and 49152, 83 / 87 at 65536. The same sums around the first g of the CTA's share ran
-// as fast but lost ~1e-3 of the variance where that g stands far from the rest
-// (test_ring_layer_norm_moments). The first pass writes g back over its slice in float32 where
-// it is neither x nor derived from x alone (recomputing x silu(z) for y would cost two more
-// exponentials and reciprocals an element), over the second operand's 32 bytes when it is
-// float32, else over both operands' 16. The stage is refilled once the next row's reduction
-// barrier has passed. The scale and bias are held in registers for the whole walk (persistent
-// clusters: cluster c takes rows c, c + clusters, ...). K slices a thread.
+// Each thread reads its slices from the stage again after the row's reduction, so no register keeps
+// them across. A LayerNorm's statistics take one pass over the stage and one round across the CTA:
+// each thread sums g - c and (g - c)^2 around c, its own first g, into its moments (stable: c is
+// one of the thread's own elements, so n (mean - c)^2 <= n m2 with n <= 32), segment_moments merges
+// the CTA's threads' and the CTAs merge theirs in one cluster round. One H200, bf16, % of copy,
+// against the CTA's mean and then its deviations (a second read of the stage, a second round): the
+// norm alone 83 / 87 at 24576 columns, 86 / 89 at 32768, 81-82 / 85-86 at 40960 and 49152, 83 / 87
+// at 65536; beside a float32 stream level at 40960 and 65536 (88-91), but 89 / 84 at 49152 (six
+// CTAs of 1024 slices in 512 threads; not understood). The same sums around the first g of the
+// CTA's share ran as fast but lost ~1e-3 of the variance where that g stands far from the rest
+// (test_ring_layer_norm_moments). The first pass writes g back over its slice in float32 where it
+// is neither x nor derived from x alone (recomputing x silu(z) for y would cost two more
+// exponentials and reciprocals an element), over the second operand's 32 bytes when it is float32,
+// else over both operands' 16. The stage is refilled once the next row's reduction barrier has
+// passed. The scale and bias are held in registers for the whole walk (persistent clusters: cluster
+// c takes rows c, c + clusters, ...). K slices a thread.
 enum RingOp { kRingAlone = 0, kRingGateFirst = 1, kRingGateAfter = 2, kRingResidual = 3 };
 template <int kDt, int kRt, int kOp, bool kLayer, int K>
 __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
@@ -220,9 +221,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
   constexpr bool kKeep = kOp != kRingGateAfter && kOp != kRingAlone;
   static_assert(D != Dtype::F32, "a slice of x is one 16-byte copy");
   __shared__ uint64_t landed[S];
-  __shared__ float red[2][kNormMaxThreads / 32 * (kLayer ? 2 : 1)];
-  // A LayerNorm's elements a warp sums, the same in every row (block_moments).
-  __shared__ float warp_counts[kLayer ? kNormMaxThreads / 32 : 1];
+  __shared__ float red[2][kNormMaxThreads / 32 * (kLayer ? 3 : 1)];
   // A LayerNorm's CTAs merge their moments (mean, m2, count) across the cluster.
   __shared__ ClusterInbox<kLayer ? 3 : 1> inbox[2];
   cluster_inbox_init(inbox);
@@ -272,11 +271,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
       widen_slice(a.bias.dtype, true, b[k]);
     }
   }
-  // The elements this thread sums in every row of a LayerNorm.
-  const float held = lane < n ? float(((n - 1 - lane) / T + 1) * kSlice) : 0.f;
-  const float inv_held = held > 0.f ? 1.f / held : 0.f;
-  if (kLayer) block_warp_counts(held, warp_counts);
-  __syncthreads();  // the mbarriers and warp_counts are ready
+  __syncthreads();  // the mbarriers are ready
   cluster_inbox_ready();
 
   // g of slice v from the stage: kept in float32, or x.
@@ -305,6 +300,9 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
     }
   };
   const float inv_len = 1.f / float(a.group_size);
+  // The elements this thread sums in every row of a LayerNorm.
+  const float held = lane < n ? float(((n - 1 - lane) / T + 1) * kSlice) : 0.f;
+  const float inv_held = held > 0.f ? 1.f / held : 0.f;
   int j = 0;
   for (int64_t r = row0; r < a.rows; r += step, ++j) {
     uint4* xs = stage_of(j);
@@ -359,7 +357,13 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
     float mean = 0.f, var;
     if constexpr (kLayer) {
       Moments m = {shift + acc * inv_held, fmaxf(acc2 - acc * (acc * inv_held), 0.f), held};
-      block_moments<kNormMaxThreads>(m, warp_counts, rb);
+      // One H200, bf16, % of copy, the LayerNorm alone: 85-87 at 20480 and 65536 columns, where
+      // every thread holds as many elements (merges of equal counts), 71 at 36864, where they
+      // do not (the general merge's division a step). Adding each warp's deviations around its
+      // lane 0's mean and the warps' around warp 0's instead (no division, any counts): 80-85 at
+      // 36864, but 77-81 at 20480, 28672 and 65536, and with both in the kernel, each where it
+      // was faster, the equal counts ran at 77-81 too.
+      segment_moments<kNormMaxThreads>(m, T, rb, n % T == 0);
       // Past that barrier every thread is done with the previous row's stage: refill it.
       if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
       cluster_reduce(m, inbox[j & 1], p.cluster, rank, (j >> 1) & 1, MergeMoments());
