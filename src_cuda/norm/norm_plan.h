@@ -227,8 +227,9 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 //   87-93 from 10240 to 20480 columns; LayerNorm 87-89 / 83-87 from 16384 to 24576, though
 //   86 / 90 at 12288). A LayerNorm beside a float32 stream from kRingStreamLayerMinSlices, once
 //   the ring's one-round statistics (norm_ring.cuh) made it faster there: 86-87 / 90 at 12288,
-//   88-89 / 91 at 14336, 88 / 90-91 at 16384, 88 / 89-90 at 20480, level (88) from 24576 to
-//   32768; it lost at 10240 (93 / 88).
+//   88-89 / 91 at 14336, 88 / 90-91 at 16384, 88 / 89-90 at 20480; from 24576 to 32768 level
+//   in one run (88) and up to 3 lower in two others (85-86 at 24576 and 28672, both under the
+//   target either way); it lost at 10240 (93 / 88).
 // Clusters of kRingBalancedFrom CTAs and more take, up to kMaxCluster, the count that leaves the
 // fewest thread slots idle (ring_fwd_cluster), not the fewest CTAs: at 20480 columns three CTAs
 // of 854 slices in 256 threads left a sixth of the slots idle, five of 512 in 128 threads none.
