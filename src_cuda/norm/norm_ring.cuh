@@ -354,28 +354,28 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
     if constexpr (kKeep) fence_shared_for_copies();
     // The rows take the two reduction buffers in turn (segment_reduce's red_free).
     float* const rb = red[j & 1];
-    float mean = 0.f, var;
-    if constexpr (kLayer) {
-      Moments m = {shift + acc * inv_held, fmaxf(acc2 - acc * (acc * inv_held), 0.f), held};
-      // One H200, bf16, % of copy, the LayerNorm alone: 85-87 at 20480 and 65536 columns, where
-      // every thread holds as many elements (merges of equal counts), 71 at 36864, where they
-      // do not (the general merge's division a step). Adding each warp's deviations around its
-      // lane 0's mean and the warps' around warp 0's instead (no division, any counts): 80-85 at
-      // 36864, but 77-81 at 20480, 28672 and 65536, and with both in the kernel, each where it
-      // was faster, the equal counts ran at 77-81 too.
+    // The CTA's statistics: a LayerNorm's moments, an RMSNorm's sum of g^2.
+    Moments m = {shift + acc * inv_held, fmaxf(acc2 - acc * (acc * inv_held), 0.f), held};
+    float t[1] = {acc};
+    // One H200, bf16, % of copy, the LayerNorm alone: 85-87 at 20480 and 65536 columns, where
+    // every thread holds as many elements (merges of equal counts), 71 at 36864, where they do
+    // not (the general merge's division a step). Adding each warp's deviations around its lane
+    // 0's mean and the warps' around warp 0's instead (no division, any counts): 80-85 at 36864,
+    // but 77-81 at 20480, 28672 and 65536, and with both in the kernel, each where it was
+    // faster, the equal counts ran at 77-81 too.
+    if constexpr (kLayer)
       segment_moments<kNormMaxThreads>(m, T, rb, n % T == 0);
-      // Past that barrier every thread is done with the previous row's stage: refill it.
-      if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
-      cluster_reduce(m, inbox[j & 1], p.cluster, rank, (j >> 1) & 1, MergeMoments());
-      mean = m[0];
-      var = m[1] * inv_len;
-    } else {
-      float t[1] = {acc};
+    else
       segment_sum<1>(t, T, rb, true);
-      if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
+    // Past that barrier every thread is done with the previous row's stage: refill it.
+    if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
+    // The row's, merged across the cluster.
+    if constexpr (kLayer)
+      cluster_reduce(m, inbox[j & 1], p.cluster, rank, (j >> 1) & 1, MergeMoments());
+    else
       cluster_push_sum(t, inbox[j & 1], p.cluster, rank, (j >> 1) & 1);
-      var = t[0] * inv_len;
-    }
+    const float mean = kLayer ? m[0] : 0.f;
+    const float var = (kLayer ? m[1] : t[0]) * inv_len;
     const float rstd = rsqrtf(var + a.eps);
     if (lane == 0 && rank == 0) {
       if (kLayer && a.mean.present()) store_stat(a.mean, r, 0, mean);
