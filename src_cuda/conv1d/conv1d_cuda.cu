@@ -167,21 +167,19 @@ cudaError_t copy_states(const TensorRef& src, const TensorRef& dst, const Conv1d
 }
 
 // dweight[c,k] (column c*(W+1)+k) and dbias[c] (column c*(W+1)+W): the partial rows added in
-// a fixed order (column_total). No partial rows (batch 0 or seqlen 0) give zeros.
+// a fixed order (column_totals). No partial rows (batch 0 or seqlen 0) give zeros.
 __global__ void __launch_bounds__(32 * kMaxColumnSumWarps)
     conv1d_reduce_partials_kernel(const float* partial, int64_t prows, int64_t dim, int width,
                                   TensorRef dweight, TensorRef dbias) {
-  const int64_t columns = dim * (width + 1);
-  const int64_t j = int64_t(blockIdx.x) * 32 + (threadIdx.x & 31);
-  const float total = column_total(partial, prows, columns, j);
-  if (threadIdx.x >= 32 || j >= columns) return;
-  const int64_t c = j / (width + 1);
-  const int k = int(j % (width + 1));
-  if (k < width && dweight.present())
-    store_from_float(dweight.data, c * dweight.stride[0] + k * dweight.stride[1], dweight.dtype,
-                     total);
-  if (k == width && dbias.present())
-    store_from_float(dbias.data, c * dbias.stride[0], dbias.dtype, total);
+  column_totals(partial, prows, dim * (width + 1), [&](int64_t j, float total) {
+    const int64_t c = j / (width + 1);
+    const int k = int(j % (width + 1));
+    if (k < width && dweight.present())
+      store_from_float(dweight.data, c * dweight.stride[0] + k * dweight.stride[1],
+                       dweight.dtype, total);
+    if (k == width && dbias.present())
+      store_from_float(dbias.data, c * dbias.stride[0], dbias.dtype, total);
+  });
 }
 
 __device__ __forceinline__ int64_t load_index(const TensorRef& t, int64_t i) {
@@ -303,8 +301,10 @@ ssm_status conv1d_bwd_cuda(const Conv1dArgs& a, int device, void* workspace, voi
   if (err == cudaSuccess && sums && a.dim > 0) {
     const int64_t columns = a.dim * (a.width + 1);
     const int64_t rows = partial == nullptr ? 0 : prows;
-    conv1d_reduce_partials_kernel<<<unsigned(ceil_div(columns, 32)), 32 * column_sum_warps(rows),
-                                    0, s>>>(partial, rows, a.dim, a.width, a.dweight, a.dbias);
+    conv1d_reduce_partials_kernel<<<unsigned(ceil_div(
+                                        columns, column_sum_block_columns(columns, partial))),
+                                    32 * column_sum_warps(rows), 0, s>>>(
+        partial, rows, a.dim, a.width, a.dweight, a.dbias);
     err = cudaGetLastError();
   }
   return cuda_status(err, "causal_conv1d_bwd launch");

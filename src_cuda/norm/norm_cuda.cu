@@ -233,17 +233,15 @@ __global__ void __launch_bounds__(kColumnThreads) norm_column_sums_kernel(const 
   }
 }
 
-// dweight[j] (blockIdx.y 0) or dbias[j] (1): column j of the partial rows, added in a fixed
-// order (column_total).
+// dweight (blockIdx.y 0) or dbias (1): the columns of the partial rows, added in a fixed order
+// (column_totals).
 __global__ void __launch_bounds__(32 * kMaxColumnSumWarps) norm_reduce_partials_kernel(
     const float* partial, int64_t partial_rows, int64_t hidden, TensorRef dweight,
     TensorRef dbias) {
   const TensorRef& out = blockIdx.y == 0 ? dweight : dbias;
   if (!out.present()) return;
-  const int64_t j = int64_t(blockIdx.x) * 32 + (threadIdx.x & 31);
-  const float total =
-      column_total(partial + blockIdx.y * partial_rows * hidden, partial_rows, hidden, j);
-  if (threadIdx.x < 32 && j < hidden) store_from_float(out.data, j, out.dtype, total);
+  column_totals(partial + blockIdx.y * partial_rows * hidden, partial_rows, hidden,
+                [&](int64_t j, float total) { store_from_float(out.data, j, out.dtype, total); });
 }
 
 }  // namespace
@@ -591,7 +589,7 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
     err = cudaGetLastError();
   }
   if (err == cudaSuccess && sums) {
-    const dim3 grid(unsigned(ceil_div(a.hidden, 32)), 2);
+    const dim3 grid(unsigned(ceil_div(a.hidden, column_sum_block_columns(a.hidden, partial))), 2);
     norm_reduce_partials_kernel<<<grid, 32 * column_sum_warps(setup.partial_rows), 0, s>>>(
         partial, setup.partial_rows, a.hidden, a.dweight, a.dbias);
     err = cudaGetLastError();

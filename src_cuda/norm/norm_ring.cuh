@@ -104,39 +104,70 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
 
   const float inv_len = 1.f / float(a.group_size);
   const bool writes = a.dx.present() || (kStream && a.dresidual.present());
+  // A row's mean and rstd are loaded a row ahead, so its first pass does not wait for them.
+  float mean_next = 0.f, rstd_next = 0.f;
+  auto load_stats = [&](int64_t r) {
+    if (r >= a.rows) return;
+    if (kFull && a.layer_norm) mean_next = load_stat(a.mean, r, 0);
+    rstd_next = load_stat(a.rstd, r, 0);
+  };
+  load_stats(row0);
   int j = 0;
   for (int64_t r = row0; r < a.rows; r += step, ++j) {
-    const float mean = kFull && a.layer_norm ? load_stat(a.mean, r, 0) : 0.f;
-    const float rstd = load_stat(a.rstd, r, 0);
+    const float mean = mean_next, rstd = rstd_next;
+    load_stats(r + step);
     const uint4* xs = stage_of(j);
     const uint4* dys = xs + XQ * stride;
     mbarrier_wait(&landed[j % S], unsigned(j / S) & 1u);
-    float acc[M] = {};
+    // Each slice of the stage, widened: x - mean (x for an RMSNorm) and dy.
+    auto each_slice = [&](auto&& f) {
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int v = lane + k * T;
-      if (v >= n) continue;
-      Slice xhat, g;
-      stage_slice(R, xs, v, xhat);
-      unpack_slice(D, dys[v], g);
+      for (int k = 0; k < K; ++k) {
+        const int v = lane + k * T;
+        if (v >= n) continue;
+        Slice xd, g;
+        stage_slice(R, xs, v, xd);
+        unpack_slice(D, dys[v], g);
+        if (kFull) {
+          // x - mean, not x rstd - mean rstd: a constant row must give xhat 0 exactly.
+#pragma unroll
+          for (int e = 0; e < kSlice; ++e) xd[e] -= mean;
+        }
+        f(k, v, xd, g);
+      }
+    };
+    // The dweight and dbias sums of slice k.
+    auto weight_sums = [&](int k, const Slice& xd, const Slice& g) {
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
-        // (x - mean) rstd, not x rstd - mean rstd: a constant row must give xhat 0 exactly.
-        xhat[e] = kFull ? (xhat[e] - mean) * rstd : xhat[e] * rstd;
-        dw[k][e] = fmaf(g[e], xhat[e], dw[k][e]);
+        dw[k][e] = fmaf(g[e] * rstd, xd[e], dw[k][e]);
         if (kFull) db[k][e] += g[e];
-        g[e] *= w[k][e];
-        acc[0] = fmaf(g[e], xhat[e], acc[0]);
-        if (kFull) acc[M - 1] += g[e];
       }
-    }
+    };
+    // The row's sums of w dy (x - mean) and w dy, rstd applied once to the first; the dweight
+    // and dbias sums wait for the second pass, which has x - mean and dy at hand. One H200,
+    // LayerNorm alone at 16384 columns: 101M warp instructions before (xhat, the weight sums in
+    // the first pass, dx as rstd (w dy - (xhat c1 + c2))), 94M now.
+    float acc[M] = {};
+    each_slice([&](int k, int, const Slice& xd, const Slice& g) {
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) {
+        const float gw = g[e] * w[k][e];
+        acc[0] = fmaf(gw, xd[e], acc[0]);
+        if (kFull) acc[M - 1] += gw;
+      }
+    });
+    acc[0] *= rstd;
     segment_sum<M>(acc, T, red[j & 1], true);
     // Past that barrier every thread is done with the previous row's stage: refill it.
     if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
     if constexpr (kCluster) cluster_push_sum(acc, inbox[j & 1], p.cluster, rank, (j >> 1) & 1);
-    if (!writes) continue;
-    const float c1 = acc[0] * inv_len;
-    const float c2 = kFull && a.layer_norm ? acc[M - 1] * inv_len : 0.f;
+    if (!writes) {
+      each_slice([&](int k, int, const Slice& xd, const Slice& g) { weight_sums(k, xd, g); });
+      continue;
+    }
+    const float c1 = acc[0] * inv_len * rstd * rstd;
+    const float c2 = kFull && a.layer_norm ? acc[M - 1] * inv_len * rstd : 0.f;
     // dresidual_out of every slice first, so its loads are in flight together.
     Slice dres[kStream ? K : 1];
     if constexpr (kStream) {
@@ -153,24 +184,18 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
       }
     }
     uint16_t* dx = static_cast<uint16_t*>(a.dx.data) + r * a.dx.stride[0];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int v = lane + k * T;
-      if (v >= n) continue;
-      Slice xhat, g;
-      stage_slice(R, xs, v, xhat);
-      unpack_slice(D, dys[v], g);
-
+    // dx = rstd (w dy - xhat c1 - c2) = rstd dy w - (x - mean) rstd^2 c1 - rstd c2.
+    each_slice([&](int k, int v, const Slice& xd, Slice& g) {
+      weight_sums(k, xd, g);
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
-        const float xh = kFull ? (xhat[e] - mean) * rstd : xhat[e] * rstd;
-        g[e] = rstd * (g[e] * w[k][e] - fmaf(xh, c1, c2));
+        g[e] = fmaf(g[e] * rstd, w[k][e], -fmaf(xd[e], c1, c2));
         if constexpr (kStream) g[e] += dres[k][e];
       }
       if (a.dx.present()) store_slice(dx, D, col(v), kSlice, true, g);
       if (kStream && a.dresidual.present())
         store_slice(a.dresidual.data, R, r * a.dresidual.stride[0] + col(v), kSlice, true, g);
-    }
+    });
   }
   if (p.partial == nullptr) return;
   float* const out_w = p.partial + row0 * a.hidden;
