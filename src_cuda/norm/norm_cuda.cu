@@ -364,6 +364,8 @@ int plain_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   if (a.rows > INT_MAX / cluster) return 0;
   const int K = plain_slices(a.layer_norm, int(ceil_div(nslices, cluster)));
   p = shape_plan(a, K, cluster);
+  // Whole warps, not a power of two: fewer idle lanes and more CTAs an SM.
+  p.threads = int(ceil_div(ceil_div(p.cta_slices, K), 32) * 32);
   p.block = p.threads;
   p.vec = true;
   p.row_blocks = a.rows;

@@ -20,13 +20,16 @@ namespace norm_detail {
 // must give the same bits whichever partner is `v`), so every thread gets the same result:
 // butterfly shuffles within each warp, then the segment's warp partials (`threads` <=
 // kMaxThreads <= 1024: at most 32) butterflied across the lanes of every warp again, each lane
-// group reading them in the same positions; kMaxThreads bounds the unrolled loop. `red` is
+// group reading them in the same positions; kMaxThreads bounds the unrolled loop. `threads` is a
+// power of two, or, with kWholeWarps and one segment spanning the block, any multiple of 32: the
+// warp partials are then padded with zeros to a power of two, so `merge` must leave a value as
+// it is when merged with zeros (sums; MergeMoments, whose zeros are an empty set). `red` is
 // shared memory of (blockDim / 32) * M floats. Called by every thread of the block. `red_free`
 // says no thread may still be reading `red` from an earlier call (the caller alternates two
 // buffers, so the barrier of the call in between has seen to it); otherwise a barrier waits for
 // them. The loops are unrolled with uniform guards: a run-time loop over the warps cost the lean
 // backward ~10% of its instructions.
-template <int M, int kMaxThreads, class Merge>
+template <int M, int kMaxThreads, bool kWholeWarps = false, class Merge>
 __device__ __forceinline__ void segment_reduce(float (&v)[M], int threads, float* red,
                                                bool red_free, Merge merge) {
   static_assert(kMaxThreads <= 32 * 32, "the warp partials fit one warp");
@@ -49,13 +52,16 @@ __device__ __forceinline__ void segment_reduce(float (&v)[M], int threads, float
     for (int i = 0; i < M; ++i) red[warp * M + i] = v[i];
   }
   __syncthreads();
-  const int warps = threads >> 5;  // a power of two
-  const int from = (warp & ~(warps - 1)) + (lane & (warps - 1));
+  const int warps = threads >> 5;
+  // The warps rounded up to a power of two.
+  const int span = kWholeWarps ? 1 << (32 - __clz(warps - 1)) : warps;
+  const int from = (warp & ~(span - 1)) + (lane & (span - 1));
+  const bool held = !kWholeWarps || (lane & (span - 1)) < warps;
 #pragma unroll
-  for (int i = 0; i < M; ++i) v[i] = red[from * M + i];
+  for (int i = 0; i < M; ++i) v[i] = held ? red[from * M + i] : 0.f;
 #pragma unroll
   for (int o = 1; o < kMaxThreads / 32; o <<= 1) {
-    if (o >= warps) break;
+    if (o >= span) break;
     exchange(o);
   }
 }
@@ -69,10 +75,10 @@ struct AddValues {
 };
 
 // Sums M values over the `threads` threads of each segment (segment_reduce).
-template <int M, int kMaxThreads = kNormMaxThreads>
+template <int M, int kMaxThreads = kNormMaxThreads, bool kWholeWarps = false>
 __device__ __forceinline__ void segment_sum(float (&v)[M], int threads, float* red,
                                             bool red_free = false) {
-  segment_reduce<M, kMaxThreads>(v, threads, red, red_free, AddValues());
+  segment_reduce<M, kMaxThreads, kWholeWarps>(v, threads, red, red_free, AddValues());
 }
 
 // Moments of a set of elements: {mean, m2 (the sum of squared deviations from the mean),
@@ -113,13 +119,14 @@ struct MergeEqualMoments {
 // deviations taken from each thread's own mean no large mean cancels. `equal_counts`: every
 // thread of the segment holds as many elements (the same in all of them). `red`: 3 floats a
 // warp, which no thread may still be reading from an earlier call.
-template <int kMaxThreads>
+template <int kMaxThreads, bool kWholeWarps = false>
 __device__ __forceinline__ void segment_moments(Moments& m, int threads, float* red,
                                                 bool equal_counts) {
-  if (equal_counts)
-    segment_reduce<3, kMaxThreads>(m, threads, red, true, MergeEqualMoments());
+  // Where the warps are not a power of two, the zeros that pad them are not of equal count.
+  if (equal_counts && (!kWholeWarps || (threads & (threads - 1)) == 0))
+    segment_reduce<3, kMaxThreads, kWholeWarps>(m, threads, red, true, MergeEqualMoments());
   else
-    segment_reduce<3, kMaxThreads>(m, threads, red, true, MergeMoments());
+    segment_reduce<3, kMaxThreads, kWholeWarps>(m, threads, red, true, MergeMoments());
 }
 
 // Where a thread's work lies: its segment lane and slot, the group of its block and, when the

@@ -184,9 +184,9 @@ __device__ __forceinline__ void unpack_slice(Dtype d, const uint4& raw, Slice& f
 }
 
 // Mean (0 for RMSNorm) and rstd of a whole row of 16-bit dtype D whose CTA share of n slices
-// the block's T threads hold packed in xs (slices lane + k * T, zeros past n), merged across the
-// p.cluster CTAs of a cluster with kCluster (through `box` at mbarrier `parity`; `rank`: this
-// CTA's). red: the block's reduction buffer, 3 * kMaxThreads / 32 floats.
+// the block's T threads (any whole warps) hold packed in xs (slices lane + k * T, zeros past n),
+// merged across the p.cluster CTAs of a cluster with kCluster (through `box` at mbarrier
+// `parity`; `rank`: this CTA's). red: the block's reduction buffer, 3 * kMaxThreads / 32 floats.
 template <Dtype D, bool kLayer, int K, int kMaxThreads, bool kCluster>
 __device__ __forceinline__ float2 row_moments(const NormArgs& a, const NormPlan& p,
                                               const uint4 (&xs)[K], int n, int rank, float* red,
@@ -216,13 +216,13 @@ __device__ __forceinline__ float2 row_moments(const NormArgs& a, const NormPlan&
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) m[1] += (f[e] - m[0]) * (f[e] - m[0]);
     }
-    segment_moments<kMaxThreads>(m, T, red, n % T == 0);
+    segment_moments<kMaxThreads, true>(m, T, red, n % T == 0);
     if constexpr (kCluster) cluster_reduce(m, box, p.cluster, rank, parity, MergeMoments());
     mean = m[0];
     var = m[1] * inv_len;
   } else {
     float q[1] = {sum};
-    segment_sum<1, kMaxThreads>(q, T, red, true);
+    segment_sum<1, kMaxThreads, true>(q, T, red, true);
     if constexpr (kCluster) cluster_push_sum(q, box, p.cluster, rank, parity);
     var = q[0] * inv_len;
   }

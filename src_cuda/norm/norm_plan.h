@@ -1,6 +1,6 @@
 // How the fused-norm kernels cut the work. A "segment" is one (row, group) pair: group_size
 // contiguous columns normalised together. `threads` consecutive threads of a block (a power of
-// two) work on one segment, each holding slices v = lane, lane + threads, ... of 8 columns; a block
+// two; any whole warps in the plain forward, one segment a block) work on one segment, each holding slices v = lane, lane + threads, ... of 8 columns; a block
 // holds blockDim / threads such segments side by side, all of the same group, and walks down the
 // rows.
 //
@@ -22,7 +22,8 @@ namespace ssm {
 constexpr int kNormMaxThreads = 512;
 
 struct NormPlan {
-  int threads = 1;            // threads per segment, a power of two
+  int threads = 1;            // threads per segment, a power of two (the plain forward: whole
+                              // warps)
   int block = 128;            // threads per block
   int64_t row_blocks = 1;     // blocks along the rows of each group; grid = row_blocks * ngroups
   int nslices = 1;            // ceil(group_size / 8)
@@ -162,6 +163,12 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int
 //   90 at 7168, 90 / 94 at 4096; but 80 / 60 at 1024; RMSNorm 88 / 97 at 5120, 94 / 96 at 6144,
 //   in clusters 81 / 90 at 20480 (two CTAs of 1280 slices), 76 / 85 at 40960; but where a share
 //   of 4 a thread fills its lanes, 94 / 88-91 at 8192 and 93 / 80 at 32768 (two CTAs of 2048).
+// Blocks are whole warps, not a power of two (segment_reduce's kWholeWarps pads the warp
+// partials with zeros to one): 640 slices of 8 a thread take 96 threads, eight blocks an SM,
+// where 128 took six. One H200, % of copy, power of two / whole warps: LayerNorm 86 / 88 at 3072
+// columns, 84 / 88 at 5120, 89 / 92 at 6144, 87 / 92 at 10240, 91 / 93 at 12288, level at 7168
+// and 14336; RMSNorm on clusters 91 / 95 at 20480 (two CTAs of 1280 slices in 160 threads), 92
+// / 94 at 24576, level elsewhere.
 // Past 1024 slices each block also fetches into L2 its share of the row one wave of blocks
 // ahead will take (a bulk prefetch): LayerNorm 83 / 86 at 12288 and 84 / 86 at 16384, RMSNorm
 // 92 / 95 at 16384, and in clusters 66-82 / 81-93 (RMSNorm, 20480 to 65536 columns); at 8192
