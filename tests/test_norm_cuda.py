@@ -66,19 +66,19 @@ HELD_ROWS = (
 # The plain forward (norm_plain.cuh) takes 16-bit rows without a residual or a gate
 # (test_plain_and_gated_ring_rows), in whole warps: 4 slices a thread below 512 slices, at 1024
 # columns (one warp) and 1040 (130 slices in 64 threads, two lanes holding a third), and for an
-# RMSNorm without a bias at 2056 (257 slices in 96 threads, three warps, one lane holding a
+# RMSNorm without a bias at 2056 (257 slices in 96 threads, three warps, 65 lanes holding a
 # third); a LayerNorm from 512 slices takes 8: a zero-centred one at 4096 columns (64 threads),
 # 5120 (640 slices in 96 threads, 64 lanes holding 7, the others 6), 6144 (768 in 96, every lane
 # 8: three warps of equal counts), 8192 (every lane full), 8240 (1030 slices in 160 threads, 70
 # lanes holding 7: the moments of unequal counts) and 16384. Past 2048 slices the CTAs of a
 # cluster share an RMSNorm's row: two CTAs of 1280 slices, 8 a thread in 160 threads (20480).
-# The ring forward (norm_ring.cuh) takes a LayerNorm past 2048
-# slices and an RMSNorm past 4096 on clusters of CTAs of up to 1024 slices, from three CTAs as
-# many as leave the fewest thread slots idle: a LayerNorm of seven CTAs of 440 slices in 128
-# threads, the last 433 (24584 columns, fewer rows than clusters: unequal counts), and, with
-# enough rows that each cluster walks its ring of three stages several times, of five of 512 in
-# 128 threads (20480), of six CTAs of 854, the last 851 (40968), a zero-centred RMSNorm of six
-# full ones (49152), and of eight with a bias (65536; a LayerNorm too, on three rows).
+# The ring forward (norm_ring.cuh) takes a LayerNorm past 2048 slices and an RMSNorm past 4096
+# on clusters of CTAs of up to 1024 slices, from three CTAs as many as leave the fewest thread
+# slots idle: a LayerNorm of seven CTAs of 440 slices in 128 threads, the last 433 (24584
+# columns, fewer rows than clusters: unequal counts), and, with enough rows that each cluster
+# walks its ring of three stages several times, of five of 512 in 128 threads (20480), of six
+# CTAs of 854, the last 851 (40968), a zero-centred RMSNorm of six full ones (49152), and of
+# eight with a bias (65536; a LayerNorm too, on three rows).
 PLAIN_ROWS = (
     LAYER.replace(hidden=1024, lead=(3,)),
     LAYER.replace(hidden=1040, lead=(13,)),

@@ -1,8 +1,8 @@
 // How the fused-norm kernels cut the work. A "segment" is one (row, group) pair: group_size
 // contiguous columns normalised together. `threads` consecutive threads of a block (a power of
-// two; any whole warps in the plain forward, one segment a block) work on one segment, each holding slices v = lane, lane + threads, ... of 8 columns; a block
-// holds blockDim / threads such segments side by side, all of the same group, and walks down the
-// rows.
+// two; any whole warps in the plain forward, one segment a block) work on one segment, each
+// holding slices v = lane, lane + threads, ... of 8 columns; a block holds blockDim / threads
+// such segments side by side, all of the same group, and walks down the rows.
 //
 // Each thread keeps its first K slices in registers between the passes a norm needs (statistics,
 // then output), so the row is read from memory once. Segments longer than threads * K * 8 columns
