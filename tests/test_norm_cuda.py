@@ -97,14 +97,19 @@ PLAIN_ROWS = (
     BASE.replace(hidden=49152, zero_centered_weight=True, lead=(250,)),
     BASE.replace(hidden=65536, bias=True, lead=(300,)),
 )
-# The ring backward (norm_ring.cuh) takes 16-bit rows without a residual or a gate from 1025
+# The ring backward (norm_ring.cuh) takes 16-bit rows without a residual or a gate from 513
 # slices (test_ring_rows), enough rows that each CTA (or cluster) walks its ring of three stages
-# several times: a LayerNorm at 16384 columns (512 threads, every lane full), 1537 slices (the
-# last lanes' fourth slice idle; zero-centred RMSNorm) and 1025, the fewest (RMSNorm with a bias:
-# the mean terms and dbias). Past 2048 slices the CTAs of a cluster share a row: a LayerNorm of
-# two CTAs of 1537 and 1536 slices (24584 columns), a zero-centred RMSNorm of three (40960) and
-# one with a bias of four (65536).
+# several times. One CTA a row is whole warps, 4 slices a thread: up to 1024 slices several CTAs
+# an SM, 513 in 160 threads (33 lanes holding 4 slices, the others 3; RMSNorm with a bias: the
+# mean terms and dbias), a LayerNorm of 640 in 160 (every lane 4) and of 1024 in 256; past that
+# one CTA an SM, a LayerNorm at 16384 columns (512 threads, every lane full), 1537 slices in 416
+# (289 lanes holding 4; zero-centred RMSNorm) and 1025 in 288 (161 holding 4). Past 2048 slices
+# the CTAs of a cluster share a row: a LayerNorm of two CTAs of 1537 and 1536 slices (24584
+# columns), a zero-centred RMSNorm of three (40960) and one with a bias of four (65536).
 RING_ROWS = (
+    BASE.replace(hidden=4104, bias=True, lead=(1700,)),
+    LAYER.replace(hidden=5120, lead=(1300,)),
+    LAYER.replace(hidden=8192, lead=(900,)),
     LAYER.replace(hidden=16384, lead=(1000,)),
     BASE.replace(hidden=12296, zero_centered_weight=True, lead=(601,)),
     BASE.replace(hidden=8200, bias=True, lead=(300,)),

@@ -159,6 +159,11 @@ int lean_cluster(int nslices, int device) {
                                                    : ceil_div(nslices, kPerCta));
 }
 
+// Bytes of `rows` partial rows of dweight and of dbias.
+size_t partial_bytes(int64_t rows, int64_t hidden) {
+  return (2 * size_t(rows) * size_t(hidden) * sizeof(float) + kAlign - 1) / kAlign * kAlign;
+}
+
 // The backward's plan and its workspace: per-row-block partial sums of dweight and dbias, made
 // by the row kernel (fused) or by the column kernel when a segment outgrows the registers of the
 // general kernel. `cluster` is the lean kernel's (lean_cluster) or 0 for the general kernels.
@@ -190,8 +195,7 @@ struct BwdSetup {
       partial_rows = std::clamp<int64_t>(ceil_div(8 * sms, column_blocks), 1,
                                          std::min<int64_t>(std::max<int64_t>(a.rows, 1), 65535));
     }
-    workspace = (2 * size_t(partial_rows) * size_t(a.hidden) * sizeof(float) + kAlign - 1) /
-                kAlign * kAlign;
+    workspace = partial_bytes(partial_rows, a.hidden);
   }
 };
 
@@ -245,15 +249,6 @@ __global__ void __launch_bounds__(32 * kMaxColumnSumWarps) norm_reduce_partials_
 }
 
 }  // namespace
-
-size_t norm_bwd_cuda_workspace(const NormArgs& a, int device) {
-  CudaDeviceGuard guard(device);
-  // The size query sees only x and weight, so it cannot tell whether the call will take a lean
-  // cluster kernel or the general ones: enough for either.
-  const int cluster = lean_cluster(slices_of(a), device);
-  const size_t general = BwdSetup(a, device, 0).workspace;
-  return cluster > 1 ? std::max(general, BwdSetup(a, device, cluster).workspace) : general;
-}
 
 // f(kDt, kRt) for the lean kernels' dtypes, each an std::integral_constant, so that one switch
 // serves every lean launcher.
@@ -497,20 +492,39 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   return cuda_status(err, "norm_fwd launch");
 }
 
-// The CTAs of the ring backward's cluster (norm_plan.h) when it takes the call, or 0: it copies
-// with the bulk-copy engine, sm_90 code like the clusters'. 16-bit rows without a residual
-// stream's gradients, or beside a float32 stream.
-int ring_cluster(const NormArgs& a, LeanDtypes d, int device) {
-  const int nslices = slices_of(a);
-  const Dtype rt = Dtype(d.rt);
+// The CTAs of the ring backward's cluster (norm_plan.h) for rows of nslices slices of a stream
+// (x) of dtype rt, when it can take them, or 0: it copies with the bulk-copy engine, sm_90 code
+// like the clusters'.
+int ring_ctas(int nslices, Dtype rt, const NormArgs& a, int device) {
   const int cluster = int(ceil_div(nslices, ring_max_slices(rt)));
+  const int least = rt == Dtype::F32 ? kRingMinSlices : kRingAloneMinSlices;
+  return nslices >= least && a.ngroups == 1 && cluster <= kMaxCluster &&
+                 a.rows <= INT_MAX / cluster && cluster_kernels_run(device)
+             ? cluster
+             : 0;
+}
+
+// The ring backward's cluster for a call, or 0 where it does not take it: 16-bit rows without a
+// residual stream's gradients, or beside a float32 stream.
+int ring_cluster(const NormArgs& a, LeanDtypes d, int device) {
+  const Dtype rt = Dtype(d.rt);
   const bool f32_stream = rt == Dtype::F32 && d.dt != d.rt;
   const bool residual = a.dresidual_out.present() || a.dresidual.present();
   const bool takes = d.ok && Dtype(d.dt) != Dtype::F32 && (f32_stream || !residual) &&
-                     a.rows > 0 && !a.z.present() && a.ngroups == 1 &&
-                     nslices >= kRingMinSlices && cluster <= kMaxCluster &&
-                     a.rows <= INT_MAX / cluster && cluster_kernels_run(device);
-  return takes ? cluster : 0;
+                     a.rows > 0 && !a.z.present();
+  return takes ? ring_ctas(slices_of(a), rt, a, device) : 0;
+}
+
+// The ring backward's plan: clusters of `ctas` CTAs of whole warps, ring_slices(rt) a thread, and
+// as many row blocks as its CTAs that run at once by their registers (at most 128 a thread, its
+// launch bounds), up to kRingCtasPerSm an SM; the launcher lowers them to those that fit.
+NormPlan ring_bwd_plan(const NormArgs& a, Dtype rt, int ctas, int sms) {
+  NormPlan p = shape_plan(a, ring_slices(rt), ctas);
+  if (ctas == 1) p.threads = int(ceil_div(ceil_div(p.cta_slices, ring_slices(rt)), 32) * 32);
+  p.block = p.threads;
+  const int per_sm = std::clamp(kNormMaxThreads / p.block, 1, kRingCtasPerSm);
+  p.row_blocks = std::clamp<int64_t>(int64_t(sms) * per_sm / ctas, 1, std::max<int64_t>(a.rows, 1));
+  return p;
 }
 
 cudaError_t launch_ring_bwd(LeanDtypes d, const NormArgs& a, NormPlan& p, int sms,
@@ -523,6 +537,22 @@ cudaError_t launch_ring_bwd(LeanDtypes d, const NormArgs& a, NormPlan& p, int sm
                      : launch_norm_bwd_ring<BF16, BF16>(a, p, sms, s);
 }
 
+size_t norm_bwd_cuda_workspace(const NormArgs& a, int device) {
+  CudaDeviceGuard guard(device);
+  // The size query sees only x and weight, so it cannot tell whether the call will take a lean
+  // cluster kernel, the ring backward or the general kernels: enough for any of them.
+  const int nslices = slices_of(a);
+  const int cluster = lean_cluster(nslices, device);
+  size_t bytes = BwdSetup(a, device, 0).workspace;
+  if (cluster > 1) bytes = std::max(bytes, BwdSetup(a, device, cluster).workspace);
+  const int ring = ring_ctas(nslices, a.x.dtype, a, device);
+  if (ring > 0) {
+    const NormPlan p = ring_bwd_plan(a, a.x.dtype, ring, std::max(1, multiprocessor_count(device)));
+    bytes = std::max(bytes, partial_bytes(p.row_blocks, a.hidden));
+  }
+  return bytes;
+}
+
 ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* stream) {
   CudaDeviceGuard guard(device);
   if (guard.status() != SSM_SUCCESS) return guard.status();
@@ -532,11 +562,11 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   const LeanDtypes lean = bwd_lean_dtypes(a, vec);
   const int ring_ctas = ring_cluster(a, lean, device);
   bool ring = ring_ctas > 0;
+  const int sms = std::max(1, multiprocessor_count(device));
   int cluster = lean.ok && !ring ? lean_cluster(slices_of(a), device) : 0;
   const bool sums = a.dweight.present() || a.dbias.present();
   float* partial = static_cast<float*>(workspace);
-  // Without a cluster, the general kernels' setup: its partial rows are the most the workspace
-  // holds for any call, so they bound the ring backward's.
+  // The lean or general kernels' setup; the ring backward's plan replaces its plan below.
   BwdSetup setup(a, device, cluster);
   NormPlan& p = setup.plan;
   auto prepare = [&] {
@@ -544,10 +574,7 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
     if (setup.fused && sums) p.partial = partial;
   };
   if (ring) {
-    const int64_t partial_rows = setup.partial_rows;
-    p = shape_plan(a, ring_slices(Dtype(lean.rt)), ring_ctas);
-    p.block = p.threads;
-    p.row_blocks = std::min<int64_t>(a.rows, partial_rows);
+    p = ring_bwd_plan(a, Dtype(lean.rt), ring_ctas, sms);
     setup.fused = true;
   }
   prepare();
@@ -555,7 +582,6 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   cudaError_t err = cudaSuccess;
   // The row kernel also runs with no rows when it is the one writing the (zero) partial sums.
   if (a.rows > 0 || p.partial != nullptr) {
-    const int sms = std::max(1, multiprocessor_count(device));
     if (ring) {
       err = launch_ring_bwd(lean, a, p, sms, s);
       setup.partial_rows = p.row_blocks;  // as the launcher lowered it

@@ -187,25 +187,33 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
                                   cudaStream_t stream);
 
 // The ring backward (norm_ring.cuh): whole rows of 16-bit x and dy without a residual stream or
-// a gate, from kRingMinSlices slices (past the 8192 columns one lean CTA holds), kRingSlices a
-// thread in one CTA of p.threads, the rows copied by the bulk-copy engine into a ring of
-// kRingStages shared-memory stages (ring_bytes), each row's copies issued two rows ahead. Up to
-// kRingMaxSlices (16384 columns, whose three stages fill an SM's shared memory) one CTA holds a
-// row; past that the ceil(nslices / kRingMaxSlices) CTAs of a cluster share it (p.cluster,
-// p.cta_slices each; it returns cudaErrorInvalidClusterSize, launching nothing, when not one
-// cluster fits on the device). One H200, bf16, float32 weight, % of copy, direct timing:
-// - one CTA, against the lean clusters: LayerNorm 70 / 81 at 12288 columns, 71 / 84 at 16384;
-//   RMSNorm 78 / 90 at 16384. Below that it lost to one lean CTA (LayerNorm 81 / 67 at 4096 and
-//   8192 columns, RMSNorm 89 / 79 at 8192).
+// a gate from kRingAloneMinSlices slices (past 4096 columns), beside a float32 stream from
+// kRingMinSlices (past the 8192 columns one lean CTA holds), kRingSlices a thread in one CTA of
+// p.threads, the rows copied by the bulk-copy engine into a ring of kRingStages shared-memory
+// stages (ring_bytes), each row's copies issued two rows ahead. Up to ring_max_slices (16384
+// columns, whose three stages fill an SM's shared memory) one CTA holds a row; past that the
+// ceil(nslices / ring_max_slices) CTAs of a cluster share it (p.cluster, p.cta_slices each; it
+// returns cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the
+// device). One CTA a row is whole warps, and runs as many CTAs an SM as its registers allow (up
+// to kRingCtasPerSm): 160 threads and three CTAs at 5120 columns, 256 and two at 8192. One H200,
+// bf16, float32 weight, % of copy:
+// - one CTA up to 8192 columns, against one lean CTA (512 threads, one an SM, 320 of them
+//   holding slices at 5120 columns; bench, four to six runs): LayerNorm 62-63 / 93-94 at 5120
+//   columns, 71 / 90-92 at 6144, 78 / 91-94 at 7168, 82-83 / 91-92 at 8192; RMSNorm 75-76 / 90-91
+//   at 5120, 84-85 / 91-92 at 6144. The lean CTA stays ahead at 4096 (LayerNorm 85 / 80, four
+//   ring CTAs of 128 threads an SM). The ring had lost those widths (LayerNorm 81 / 67 at 8192)
+//   while its partial sums had the general kernel's rows, one CTA an SM.
+// - one CTA past that, against the lean clusters (direct timing): LayerNorm 70 / 81 at 12288
+//   columns, 71 / 84 at 16384; RMSNorm 78 / 90 at 16384.
 // - clusters, against the lean clusters up to 32768 columns and the general kernels beyond:
 //   LayerNorm 67-71 / 72-78 from 20480 to 32768, 60-67 / 69-75 from 40960 to 65536; RMSNorm
 //   76-79 / 81-89 from 24576 to 32768, 69-77 / 83 from 49152 to 65536, level at 20480 (78 / 76)
 //   and 40960 (72 / 74), where a CTA's share is least (1280 and 1707 slices): each row waits
 //   on its cluster's sums, and the less a share holds, the more of a row's time that wait is.
-// p.row_blocks: at most the partial rows the workspace holds; the launcher lowers it to the CTAs
-// (clusters) that run at once.
-constexpr int kRingSlices = 4, kRingStages = 3;
-constexpr int kRingMinSlices = 2 * kNormMaxThreads + 1;
+// p.row_blocks: the plan's (ring_bwd_plan, norm_cuda.cu), which the workspace covers; the
+// launcher lowers it to the CTAs (clusters) that run at once.
+constexpr int kRingSlices = 4, kRingStages = 3, kRingCtasPerSm = 4;
+constexpr int kRingMinSlices = 2 * kNormMaxThreads + 1, kRingAloneMinSlices = 513;
 template <int kDt, int kRt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 

@@ -1,8 +1,8 @@
 // The ring kernels: whole rows of 16-bit x brought into a ring of shared-memory stages by the
 // bulk-copy engine, each row's copies issued rows ahead by one thread a CTA, so no register holds
 // them in flight; persistent CTAs (clusters) walk down the rows. The backward (dx, dweight,
-// dbias) of the norm alone or beside a float32 stream past 1024 slices; the forward (below,
-// after the backward) of the norm alone, gated or beside a residual (norm_plan.h says from
+// dbias) of the norm alone past 512 slices or beside a float32 stream past 1024; the forward
+// (below, after the backward) of the norm alone, gated or beside a residual (norm_plan.h says from
 // which widths). The lean backward (norm_fast.cuh) keeps the next row in registers; with the
 // dweight and dbias sums there too, its 128 registers a thread allow 512 threads an SM, 32 KB of
 // x and dy in flight an SM at 16384 columns, shared by the four CTAs of a cluster that meet every
@@ -158,7 +158,8 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
       }
     });
     acc[0] *= rstd;
-    segment_sum<M>(acc, T, red[j & 1], true);
+    // One CTA a row is whole warps (ring_bwd_plan); the clusters' CTAs keep a power of two.
+    segment_sum<M, kNormMaxThreads, !kCluster>(acc, T, red[j & 1], true);
     // Past that barrier every thread is done with the previous row's stage: refill it.
     if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
     if constexpr (kCluster) cluster_push_sum(acc, inbox[j & 1], p.cluster, rank, (j >> 1) & 1);
