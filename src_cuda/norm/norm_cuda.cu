@@ -54,6 +54,10 @@ int ring_fwd_cluster(int nslices, int K) {
   return best;
 }
 
+// Threads that hold a CTA share of `slices` slices, K a thread, rounded up to whole warps (not
+// to a power of two, as shape_plan does): fewer idle lanes, more CTAs an SM.
+int whole_warps(int slices, int K) { return int(ceil_div(ceil_div(slices, K), 32) * 32); }
+
 NormPlan shape_plan(const NormArgs& a, int K, int cluster = 1) {
   NormPlan p;
   p.nslices = slices_of(a);
@@ -359,8 +363,7 @@ int plain_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   if (a.rows > INT_MAX / cluster) return 0;
   const int K = plain_slices(a.layer_norm, int(ceil_div(nslices, cluster)));
   p = shape_plan(a, K, cluster);
-  // Whole warps, not a power of two: fewer idle lanes and more CTAs an SM.
-  p.threads = int(ceil_div(ceil_div(p.cta_slices, K), 32) * 32);
+  p.threads = whole_warps(p.cta_slices, K);
   p.block = p.threads;
   p.vec = true;
   p.row_blocks = a.rows;
@@ -520,7 +523,7 @@ int ring_cluster(const NormArgs& a, LeanDtypes d, int device) {
 // launch bounds), up to kRingCtasPerSm an SM; the launcher lowers them to those that fit.
 NormPlan ring_bwd_plan(const NormArgs& a, Dtype rt, int ctas, int sms) {
   NormPlan p = shape_plan(a, ring_slices(rt), ctas);
-  if (ctas == 1) p.threads = int(ceil_div(ceil_div(p.cta_slices, ring_slices(rt)), 32) * 32);
+  if (ctas == 1) p.threads = whole_warps(p.cta_slices, ring_slices(rt));
   p.block = p.threads;
   const int per_sm = std::clamp(kNormMaxThreads / p.block, 1, kRingCtasPerSm);
   p.row_blocks = std::clamp<int64_t>(int64_t(sms) * per_sm / ctas, 1, std::max<int64_t>(a.rows, 1));
