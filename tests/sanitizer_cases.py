@@ -127,8 +127,9 @@ NORM_CASES = [
     (300, 20480, 0, "layer", torch.float16, torch.float32, False, True, 0, None),
     # The ring backward (16-bit rows without a residual, from 1025 slices): a LayerNorm at 1537
     # slices (the last lanes' fourth slice idle), an RMSNorm at 1025, and past 2048 slices on
-    # clusters a LayerNorm of two CTAs of 1537 and 1536 slices, enough rows that every CTA walks
-    # its ring of stages more than once.
+    # clusters a LayerNorm of seven CTAs of 439 slices in 128 threads (and of six of 854 in 224,
+    # seven warps, the 40968 columns above), enough rows that every CTA walks its ring of stages
+    # more than once.
     (600, 12296, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (301, 8200, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
     (300, 24584, 0, "layer", torch.float16, torch.float32, False, True, 0, None),

@@ -104,8 +104,11 @@ PLAIN_ROWS = (
 # mean terms and dbias), a LayerNorm of 640 in 160 (every lane 4) and of 1024 in 256; past that
 # one CTA an SM, a LayerNorm at 16384 columns (512 threads, every lane full), 1537 slices in 416
 # (289 lanes holding 4; zero-centred RMSNorm) and 1025 in 288 (161 holding 4). Past 2048 slices
-# the CTAs of a cluster share a row: a LayerNorm of two CTAs of 1537 and 1536 slices (24584
-# columns), a zero-centred RMSNorm of three (40960) and one with a bias of four (65536).
+# the CTAs of a cluster share a row, also whole warps: with a LayerNorm or a dbias CTAs of at most
+# 512 slices while eight of them suffice, else of 1024, a LayerNorm of seven CTAs of 439 slices
+# (24584 columns, 128 threads) and of five of 845 (33800 columns, 224 threads: seven warps, their
+# sums padded to eight), an RMSNorm with a bias of eight of 1024 (65536); without them CTAs of up
+# to 2048, a zero-centred RMSNorm of three of 1707 (40960 columns, 448 threads).
 RING_ROWS = (
     BASE.replace(hidden=4104, bias=True, lead=(1700,)),
     LAYER.replace(hidden=5120, lead=(1300,)),
@@ -114,6 +117,7 @@ RING_ROWS = (
     BASE.replace(hidden=12296, zero_centered_weight=True, lead=(601,)),
     BASE.replace(hidden=8200, bias=True, lead=(300,)),
     LAYER.replace(hidden=24584, lead=(400,)),
+    LAYER.replace(hidden=33800, lead=(250,)),
     BASE.replace(hidden=40960, zero_centered_weight=True, lead=(250,)),
     BASE.replace(hidden=65536, bias=True, lead=(170,)),
 )

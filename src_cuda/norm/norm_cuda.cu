@@ -497,9 +497,18 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
 
 // The CTAs of the ring backward's cluster (norm_plan.h) for rows of nslices slices of a stream
 // (x) of dtype rt, when it can take them, or 0: it copies with the bulk-copy engine, sm_90 code
-// like the clusters'.
-int ring_ctas(int nslices, Dtype rt, const NormArgs& a, int device) {
-  const int cluster = int(ceil_div(nslices, ring_max_slices(rt)));
+// like the clusters'. `full`: a LayerNorm or a dbias wanted (the kernel's kFull).
+int ring_ctas(int nslices, Dtype rt, bool full, const NormArgs& a, int device) {
+  int most = ring_max_slices(rt);
+  if (full && rt != Dtype::F32 && nslices > most) {
+    for (int m = kRingFullCtaSlices; m < most; m *= 2) {
+      if (ceil_div(nslices, m) <= kMaxCluster) {
+        most = m;
+        break;
+      }
+    }
+  }
+  const int cluster = int(ceil_div(nslices, most));
   const int least = rt == Dtype::F32 ? kRingMinSlices : kRingAloneMinSlices;
   return nslices >= least && a.ngroups == 1 && cluster <= kMaxCluster &&
                  a.rows <= INT_MAX / cluster && cluster_kernels_run(device)
@@ -515,7 +524,7 @@ int ring_cluster(const NormArgs& a, LeanDtypes d, int device) {
   const bool residual = a.dresidual_out.present() || a.dresidual.present();
   const bool takes = d.ok && Dtype(d.dt) != Dtype::F32 && (f32_stream || !residual) &&
                      a.rows > 0 && !a.z.present();
-  return takes ? ring_ctas(slices_of(a), rt, a, device) : 0;
+  return takes ? ring_ctas(slices_of(a), rt, a.layer_norm || a.dbias.present(), a, device) : 0;
 }
 
 // The ring backward's plan: clusters of `ctas` CTAs of whole warps, ring_slices(rt) a thread, and
@@ -523,7 +532,7 @@ int ring_cluster(const NormArgs& a, LeanDtypes d, int device) {
 // launch bounds), up to kRingCtasPerSm an SM; the launcher lowers them to those that fit.
 NormPlan ring_bwd_plan(const NormArgs& a, Dtype rt, int ctas, int sms) {
   NormPlan p = shape_plan(a, ring_slices(rt), ctas);
-  if (ctas == 1) p.threads = whole_warps(p.cta_slices, ring_slices(rt));
+  p.threads = whole_warps(p.cta_slices, ring_slices(rt));
   p.block = p.threads;
   const int per_sm = std::clamp(kNormMaxThreads / p.block, 1, kRingCtasPerSm);
   p.row_blocks = std::clamp<int64_t>(int64_t(sms) * per_sm / ctas, 1, std::max<int64_t>(a.rows, 1));
@@ -548,8 +557,10 @@ size_t norm_bwd_cuda_workspace(const NormArgs& a, int device) {
   const int cluster = lean_cluster(nslices, device);
   size_t bytes = BwdSetup(a, device, 0).workspace;
   if (cluster > 1) bytes = std::max(bytes, BwdSetup(a, device, cluster).workspace);
-  const int ring = ring_ctas(nslices, a.x.dtype, a, device);
-  if (ring > 0) {
+  // Nor whether a dbias is wanted, which shapes the ring's clusters.
+  for (const bool full : {a.layer_norm, true}) {
+    const int ring = ring_ctas(nslices, a.x.dtype, full, a, device);
+    if (ring == 0) continue;
     const NormPlan p = ring_bwd_plan(a, a.x.dtype, ring, std::max(1, multiprocessor_count(device)));
     bytes = std::max(bytes, partial_bytes(p.row_blocks, a.hidden));
   }

@@ -192,11 +192,13 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
 // p.threads, the rows copied by the bulk-copy engine into a ring of kRingStages shared-memory
 // stages (ring_bytes), each row's copies issued two rows ahead. Up to ring_max_slices (16384
 // columns, whose three stages fill an SM's shared memory) one CTA holds a row; past that the
-// ceil(nslices / ring_max_slices) CTAs of a cluster share it (p.cluster, p.cta_slices each; it
-// returns cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the
-// device). One CTA a row is whole warps, and runs as many CTAs an SM as its registers allow (up
-// to kRingCtasPerSm): 160 threads and three CTAs at 5120 columns, 256 and two at 8192. One H200,
-// bf16, float32 weight, % of copy:
+// CTAs of a cluster share it (p.cluster, p.cta_slices each; it returns
+// cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the device):
+// ceil(nslices / ring_max_slices) of them, but for kFull (a LayerNorm, or a dbias wanted) CTAs of
+// at most kRingFullCtaSlices, or twice that, ..., the fewest slices a CTA that kMaxCluster CTAs
+// hold. The CTAs are whole warps, as many an SM as their registers allow (up to kRingCtasPerSm):
+// 160 threads and three CTAs at 5120 columns, 256 and two at 8192, 128 and four in the kFull
+// clusters up to 32768 columns. One H200, bf16, float32 weight, % of copy:
 // - one CTA up to 8192 columns, against one lean CTA (512 threads, one an SM, 320 of them
 //   holding slices at 5120 columns; bench, four to six runs): LayerNorm 62-63 / 93-94 at 5120
 //   columns, 71 / 90-92 at 6144, 78 / 91-94 at 7168, 82-83 / 91-92 at 8192; RMSNorm 75-76 / 90-91
@@ -210,9 +212,16 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
 //   76-79 / 81-89 from 24576 to 32768, 69-77 / 83 from 49152 to 65536, level at 20480 (78 / 76)
 //   and 40960 (72 / 74), where a CTA's share is least (1280 and 1707 slices): each row waits
 //   on its cluster's sums, and the less a share holds, the more of a row's time that wait is.
+// - kFull clusters of kRingFullCtaSlices and up, against those of ring_max_slices (direct timing,
+//   one run): LayerNorm 84 / 68 at 18432, 86 / 75 at 20480, 87 / 78 at 24576, 86 / 79 at 28672,
+//   87 / 76 at 32768, 80 / 70 at 36864, 83 / 75 at 40960, 82 / 74 at 49152, 83 / 74 at 65536;
+//   RMSNorm with a bias 87 / 70, 89 / 77, 88 / 79, 88 / 78, 88 / 78, 83 / 74, 86 / 76, 84 / 74,
+//   85 / 73. While one CTA waits on its cluster's sums, the others of its SM work. The RMSNorm
+//   without a bias (one sum a row) lost with them (87 / 92 at 20480, 87 / 90 at 24576), so it
+//   keeps the larger CTAs.
 // p.row_blocks: the plan's (ring_bwd_plan, norm_cuda.cu), which the workspace covers; the
 // launcher lowers it to the CTAs (clusters) that run at once.
-constexpr int kRingSlices = 4, kRingStages = 3, kRingCtasPerSm = 4;
+constexpr int kRingSlices = 4, kRingStages = 3, kRingCtasPerSm = 4, kRingFullCtaSlices = 512;
 constexpr int kRingMinSlices = 2 * kNormMaxThreads + 1, kRingAloneMinSlices = 513;
 template <int kDt, int kRt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
@@ -259,6 +268,16 @@ cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 // Bytes of one 8-column slice of dtype d.
 __host__ __device__ constexpr int slice_bytes(Dtype d) { return d == Dtype::F32 ? 32 : 16; }
 
+// Bytes of one stage of a ring whose stages hold two regions (x, then dy or the second operand;
+// `second` 0 for none) of these sizes. Each region starts up to 112 bytes late, so that it stands
+// a set distance past a 128-byte line from where its rows do in global memory (ring_regions,
+// norm_ring.cuh): the ring kernels ran at 76-79% of copy where the two stood 48 or 80 bytes
+// apart, 83-93 elsewhere (one H200, bf16), and the stages had begun wherever the kernel's static
+// shared memory ended. A multiple of 128, so that every stage lines up as the first.
+__host__ __device__ constexpr unsigned ring_stage_bytes(unsigned first, unsigned second) {
+  return (first + 112u + (second > 0 ? second + 112u : 0u) + 127u) / 128u * 128u;
+}
+
 // The ring backward's slices a thread beside a stream of dtype r (kRingSlices for the norm
 // alone, 2 beside a float32 stream, whose dresidual_out of every slice a thread holds in
 // registers through the second pass), and the most a CTA takes: 2048 slices of 16-bit x and dy
@@ -267,12 +286,14 @@ __host__ __device__ constexpr int slice_bytes(Dtype d) { return d == Dtype::F32 
 constexpr int ring_slices(Dtype r) { return r == Dtype::F32 ? 2 : kRingSlices; }
 constexpr int ring_max_slices(Dtype r) { return ring_slices(r) * kNormMaxThreads; }
 inline size_t ring_bytes(const NormPlan& p, Dtype r) {
-  return size_t(kRingStages) * size_t(p.cta_slices) * size_t(slice_bytes(r) + 16);
+  return kRingStages * ring_stage_bytes(unsigned(p.cta_slices) * slice_bytes(r),
+                                        unsigned(p.cta_slices) * 16u);
 }
 
 inline size_t ring_fwd_bytes(const NormArgs& a, const NormPlan& p, Dtype r) {
-  const int second = a.z.present() || a.residual.present() ? slice_bytes(r) : 0;
-  return size_t(kRingFwdStages) * size_t(p.cta_slices) * size_t(16 + second);
+  const unsigned second = a.z.present() || a.residual.present() ? slice_bytes(r) : 0;
+  return kRingFwdStages * ring_stage_bytes(unsigned(p.cta_slices) * 16u,
+                                           unsigned(p.cta_slices) * second);
 }
 
 // Bytes the staged forward keeps of one slice: x (and z), then the residual.

@@ -36,6 +36,22 @@ __device__ __forceinline__ void stage_slice(Dtype d, const uint4* share, int v, 
   widen_slice(d, true, f);
 }
 
+// Where the two regions of each stage start in `ring` (16-byte units): the first region
+// (first_bytes long) holding rows like first_src, the second rows like second_src, each kLead
+// bytes further past a 128-byte line than its source (ring_stage_bytes says why). Rows whose byte
+// stride is not a multiple of 128 line up as the given ones do, or not.
+template <unsigned kLead>
+__device__ __forceinline__ int2 ring_regions(const uint4* ring, const void* first_src,
+                                             unsigned first_bytes, const void* second_src) {
+  const unsigned at = shared_address(ring);
+  auto gap = [](unsigned from, const void* src) {
+    return (unsigned(reinterpret_cast<uintptr_t>(src)) + kLead - from) & 127u;
+  };
+  const unsigned first = gap(at, first_src);
+  const unsigned second = first + first_bytes + gap(at + first + first_bytes, second_src);
+  return make_int2(int(first / 16), int(second / 16));
+}
+
 }  // namespace norm_detail
 
 // kDt: dy and dx (16-bit); kRt: x (the forward's residual stream s), dresidual_out and dresidual,
@@ -65,7 +81,8 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
   // Two inboxes in turn, as cluster_push_sum asks of a kernel that sums every row.
   __shared__ ClusterInbox<M> inbox[2];
   if (kCluster) cluster_inbox_init(inbox);
-  // Stage s: the CTA's share of the row's x (p.cta_slices slices), then of its dy.
+  // Stage s: the CTA's share of the row's x (p.cta_slices slices), then of its dy, each lined up
+  // with its rows (ring_regions).
   extern __shared__ uint4 ring[];
   const int T = p.threads, lane = threadIdx.x;
   const int rank = kCluster ? int(blockIdx.x % p.cluster) : 0;
@@ -76,7 +93,21 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
   const int64_t step = kCluster ? gridDim.x / p.cluster : gridDim.x;
   const bool dres_in = kStream && a.dresidual_out.present();
   auto col = [&](int v) { return int64_t(first + v) * kSlice; };
-  auto stage_of = [&](int j) { return ring + size_t(j % S) * (XQ + 1) * stride; };
+  const unsigned x_share = unsigned(stride) * slice_bytes(R);
+  // The lead each kernel ran fastest at, of 0, 16, ..., 112 (one H200, bf16, % of copy, direct
+  // timing, at 5120, 8192 and 16384 columns, then at 20480, 32768, 49152 and 65536 in clusters):
+  // - kFull in one CTA, 32: LayerNorm 92 / 91 / 91 (at 0: 93 / 91 / 90), RMSNorm with a bias
+  //   89 / 88 / 92 (86 / 86 / 91);
+  // - kFull in clusters, 0: LayerNorm 74 / 82 / 77 / 76 (at 32: 71 / 80 / 74 / 75);
+  // - the rest, 64: RMSNorm in one CTA 90 / 90 / 90 (at 0: 88 / 88 / 89), in clusters
+  //   92 / 89 / 87 / 88 (87 / 86 / 85 / 86).
+  // Every kernel lost most at 48 and 80 (76-79).
+  constexpr unsigned kLead = kFull ? (kCluster ? 0u : 32u) : 64u;
+  const int2 regions = ring_regions<kLead>(ring, row_share(a.x, R, row0, col(0)), x_share,
+                                           row_share(a.dy, D, row0, col(0)));
+  const int dy_at = regions.y - regions.x;
+  const int stage_units = int(ring_stage_bytes(x_share, unsigned(stride) * 16u) / 16u);
+  auto stage_of = [&](int j) { return ring + regions.x + size_t(j % S) * stage_units; };
 
   // Thread 0: the copies of the block's j-th row into stage j % S, if that row exists.
   auto issue = [&](int j) {
@@ -87,7 +118,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
     const unsigned x_bytes = unsigned(n) * slice_bytes(R), dy_bytes = unsigned(n) * 16u;
     mbarrier_expect_bytes(bar, x_bytes + dy_bytes);
     bulk_copy_to_shared(stage, row_share(a.x, R, r, col(0)), x_bytes, bar);
-    bulk_copy_to_shared(stage + XQ * stride, row_share(a.dy, D, r, col(0)), dy_bytes, bar);
+    bulk_copy_to_shared(stage + dy_at, row_share(a.dy, D, r, col(0)), dy_bytes, bar);
     if (dres_in) prefetch_l2_bulk(row_share(a.dresidual_out, R, r, col(0)), x_bytes);
   };
   if (threadIdx.x == 0) {
@@ -117,7 +148,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
     const float mean = mean_next, rstd = rstd_next;
     load_stats(r + step);
     const uint4* xs = stage_of(j);
-    const uint4* dys = xs + XQ * stride;
+    const uint4* dys = xs + dy_at;
     mbarrier_wait(&landed[j % S], unsigned(j / S) & 1u);
     // Each slice of the stage, widened: x - mean (x for an RMSNorm) and dy.
     auto each_slice = [&](auto&& f) {
@@ -158,8 +189,8 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
       }
     });
     acc[0] *= rstd;
-    // One CTA a row is whole warps (ring_bwd_plan); the clusters' CTAs keep a power of two.
-    segment_sum<M, kNormMaxThreads, !kCluster>(acc, T, red[j & 1], true);
+    // The CTAs are whole warps (ring_bwd_plan).
+    segment_sum<M, kNormMaxThreads, true>(acc, T, red[j & 1], true);
     // Past that barrier every thread is done with the previous row's stage: refill it.
     if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
     if constexpr (kCluster) cluster_push_sum(acc, inbox[j & 1], p.cluster, rank, (j >> 1) & 1);
@@ -251,7 +282,8 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
   // A LayerNorm's CTAs merge their moments (mean, m2, count) across the cluster.
   __shared__ ClusterInbox<kLayer ? 3 : 1> inbox[2];
   cluster_inbox_init(inbox);
-  // Stage s: the CTA's share of a row's x, then of its second operand (z or the residual).
+  // Stage s: the CTA's share of a row's x, then of its second operand (z or the residual), each
+  // lined up with its rows (ring_regions).
   extern __shared__ uint4 ring[];
   const int T = p.threads, lane = threadIdx.x;
   const int rank = int(blockIdx.x % p.cluster);
@@ -260,10 +292,20 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
   const int64_t row0 = blockIdx.x / p.cluster, step = gridDim.x / p.cluster;
   const TensorRef& second = kOp == kRingResidual ? a.residual : a.z;
   auto col = [&](int v) { return int64_t(first + v) * kSlice; };
-  auto stage_of = [&](int j) { return ring + size_t(j % S) * (1 + BQ) * p.cta_slices; };
+  const unsigned x_share = unsigned(p.cta_slices) * 16u;
+  // The lead each kernel ran fastest at, as in the backward: 64 for a gate (RMSNorm gated at
+  // 8192, 16384, 32768, 65536 columns 92 / 92 / 92 / 92, at 0: 87 / 87 / 89 / 91), 0 for the rest
+  // (the LayerNorm alone at 20480, 32768, 65536 87 / 88 / 86, at 64: 86 / 87 / 85; beside a float32
+  // stream at 16384, 32768, 65536 90 / 89 / 92, at 64: 88 / 88 / 89).
+  constexpr unsigned kLead = kOp == kRingGateFirst || kOp == kRingGateAfter ? 64u : 0u;
+  const int2 regions = ring_regions<kLead>(ring, row_share(a.x, D, row0, col(0)), x_share,
+                                           BQ > 0 ? row_share(second, R, row0, col(0)) : nullptr);
+  const int b_at = regions.y - regions.x;
+  const int stage_units = int(ring_stage_bytes(x_share, x_share * BQ) / 16u);
+  auto stage_of = [&](int j) { return ring + regions.x + size_t(j % S) * stage_units; };
   // The two 16-byte halves of slice v's kept g in the stage whose x share is xs.
   auto kept = [&](uint4* xs, int v, int half) {
-    uint4* bs = xs + p.cta_slices;
+    uint4* bs = xs + b_at;
     return BQ == 2 ? bs + 2 * v + half : half == 0 ? xs + v : bs + v;
   };
 
@@ -276,7 +318,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
     mbarrier_expect_bytes(bar, x_bytes + b_bytes);
     bulk_copy_to_shared(stage, row_share(a.x, D, r, col(0)), x_bytes, bar);
     if (BQ > 0)
-      bulk_copy_to_shared(stage + p.cta_slices, row_share(second, R, r, col(0)), b_bytes, bar);
+      bulk_copy_to_shared(stage + b_at, row_share(second, R, r, col(0)), b_bytes, bar);
   };
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -332,7 +374,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
   int j = 0;
   for (int64_t r = row0; r < a.rows; r += step, ++j) {
     uint4* xs = stage_of(j);
-    const uint4* bs = xs + p.cta_slices;
+    const uint4* bs = xs + b_at;
     mbarrier_wait(&landed[j % S], unsigned(j / S) & 1u);
     // An RMSNorm's sum of g^2; a LayerNorm's sums of g - shift and its square, shift the
     // thread's first g.
