@@ -76,9 +76,10 @@ HELD_ROWS = (
 # on clusters of CTAs of up to 1024 slices, from three CTAs as many as leave the fewest thread
 # slots idle: a LayerNorm of seven CTAs of 440 slices in 128 threads, the last 433 (24584
 # columns, fewer rows than clusters: unequal counts), and, with enough rows that each cluster
-# walks its ring of three stages several times, of five of 512 in 128 threads (20480), of six
-# CTAs of 854, the last 851 (40968), a zero-centred RMSNorm of six full ones (49152), and of
-# eight with a bias (65536; a LayerNorm too, on three rows).
+# walks its ring of three stages several times, of five of 512 in 128 threads (20480), of five
+# of 461 in 128 (18432: unequal counts), of six CTAs of 854, the last 851 (40968), a
+# zero-centred RMSNorm of six full ones (49152), and of eight with a bias (65536; a LayerNorm
+# too, on three rows).
 PLAIN_ROWS = (
     LAYER.replace(hidden=1024, lead=(3,)),
     LAYER.replace(hidden=1040, lead=(13,)),
@@ -93,6 +94,7 @@ PLAIN_ROWS = (
     LAYER.replace(hidden=65536, lead=(3,)),
     BASE.replace(hidden=20480, lead=(5,)),
     LAYER.replace(hidden=20480, lead=(300,)),
+    LAYER.replace(hidden=18432, lead=(300,)),
     LAYER.replace(hidden=40968, lead=(300,)),
     BASE.replace(hidden=49152, zero_centered_weight=True, lead=(250,)),
     BASE.replace(hidden=65536, bias=True, lead=(300,)),
