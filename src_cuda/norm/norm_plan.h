@@ -213,12 +213,11 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
 //   and 40960 (72 / 74), where a CTA's share is least (1280 and 1707 slices): each row waits
 //   on its cluster's sums, and the less a share holds, the more of a row's time that wait is.
 // - kFull clusters of kRingFullCtaSlices and up, against those of ring_max_slices (direct timing,
-//   one run): LayerNorm 84 / 68 at 18432, 86 / 75 at 20480, 87 / 78 at 24576, 86 / 79 at 28672,
-//   87 / 76 at 32768, 80 / 70 at 36864, 83 / 75 at 40960, 82 / 74 at 49152, 83 / 74 at 65536;
-//   RMSNorm with a bias 87 / 70, 89 / 77, 88 / 79, 88 / 78, 88 / 78, 83 / 74, 86 / 76, 84 / 74,
-//   85 / 73. While one CTA waits on its cluster's sums, the others of its SM work. The RMSNorm
-//   without a bias (one sum a row) lost with them (87 / 92 at 20480, 87 / 90 at 24576), so it
-//   keeps the larger CTAs.
+//   one run, the stages lined up in both): LayerNorm 86 / 73 at 20480, 85 / 75 at 24576, 87 / 81
+//   at 28672, 85 / 83 at 32768, 83 / 76 at 40960, 83 / 79 at 49152, 83 / 78 at 65536; RMSNorm
+//   with a bias 88 / 77, 89 / 80, 89 / 84, 88 / 85, 83 / 74, 85 / 81, 80 / 75. While one CTA
+//   waits on its cluster's sums, the others of its SM work. The RMSNorm without a bias (one sum
+//   a row) lost with them (87 / 92 at 20480, 87 / 90 at 24576), so it keeps the larger CTAs.
 // p.row_blocks: the plan's (ring_bwd_plan, norm_cuda.cu), which the workspace covers; the
 // launcher lowers it to the CTAs (clusters) that run at once.
 constexpr int kRingSlices = 4, kRingStages = 3, kRingCtasPerSm = 4, kRingFullCtaSlices = 512;
