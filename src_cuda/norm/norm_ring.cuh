@@ -70,8 +70,6 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
   constexpr Dtype D = Dtype(kDt), R = Dtype(kRt);
   constexpr int S = kRingStages;
   constexpr int M = kFull ? 2 : 1;
-  // 16-byte units of a slice of x in a stage.
-  constexpr int XQ = slice_bytes(R) / 16;
   // Beside a float32 stream, with its gradients; else the norm alone.
   constexpr bool kStream = kRt != kDt;
   static_assert(D != Dtype::F32 && (!kStream || R == Dtype::F32),
