@@ -448,9 +448,18 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
       if (a.rstd.present()) store_stat(a.rstd, r, 0, rstd);
     }
     uint16_t* y = static_cast<uint16_t*>(a.y.data) + r * a.y.stride[0];
+    // The norm alone: g rstd - mean rstd in one FFMA, not (g - mean) rstd in two. Its LayerNorm's
+    // ring forward is bound by instruction issue (benchmarks/NOTES.md), and this ran it 1-2
+    // points faster (one H200, bf16, 87-90% of copy at 24576-65536 columns); beside a float32
+    // stream it lost 0.3-0.7. The rounding of mean rstd moves xhat by |mean| / std * 2^-24, below
+    // the 16-bit output's resolution wherever 16-bit input can resolve the row's deviations.
+    const float shift_out = -mean * rstd;
     each_g(xs, [&](int k, int v, Slice& g) {
 #pragma unroll
-      for (int e = 0; e < kSlice; ++e) g[e] = fmaf((g[e] - mean) * rstd, w[k][e], b[k][e]);
+      for (int e = 0; e < kSlice; ++e) {
+        const float xhat = kOp == kRingAlone ? fmaf(g[e], rstd, shift_out) : (g[e] - mean) * rstd;
+        g[e] = fmaf(xhat, w[k][e], b[k][e]);
+      }
       if constexpr (kOp == kRingGateAfter) {
         Slice u;
         unpack_slice(D, bs[v], u);
