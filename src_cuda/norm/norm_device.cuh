@@ -16,34 +16,29 @@
 namespace ssm {
 namespace norm_detail {
 
-// Combines M values over the `threads` threads of each segment with `merge(v, other)` (which
-// must give the same bits whichever partner is `v`), so every thread gets the same result:
-// butterfly shuffles within each warp, then the segment's warp partials (`threads` <=
-// kMaxThreads <= 1024: at most 32) butterflied across the lanes of every warp again, each lane
-// group reading them in the same positions; kMaxThreads bounds the unrolled loop. `threads` is a
-// power of two, or, with kWholeWarps and one segment spanning the block, any multiple of 32: the
-// warp partials are then padded with zeros to a power of two, so `merge` must leave a value as
-// it is when merged with zeros (sums; MergeMoments, whose zeros are an empty set). `red` is
+// A group of at most kMax lanes (a power of two, at most 32): the bound of a combine's unrolled
+// loop, whose uniform guards stop at the group's width.
+template <int kMax>
+struct Lanes {};
+
+// Combines M values over the `threads` threads of each segment with `combine(v, width,
+// Lanes<kMax>())` (which combines v over each aligned group of min(width, kMax) lanes, width a
+// power of two, giving every lane of a group the same bits), so every thread gets the same result:
+// within each warp, then the segment's warp partials (`threads` <= kMaxThreads <= 1024: at most
+// 32) across the lanes of every warp again, each lane group reading them in the same positions.
+// `threads` is a power of two, or, with kWholeWarps and one segment spanning the block, any
+// multiple of 32: the warp partials are then padded with zeros to a power of two, so `combine`
+// must take zeros for nothing (sums; moments, whose zeros are an empty set). `red` is
 // shared memory of (blockDim / 32) * M floats. Called by every thread of the block. `red_free`
 // says no thread may still be reading `red` from an earlier call (the caller alternates two
 // buffers, so the barrier of the call in between has seen to it); otherwise a barrier waits for
 // them. The loops are unrolled with uniform guards: a run-time loop over the warps cost the lean
 // backward ~10% of its instructions.
-template <int M, int kMaxThreads, bool kWholeWarps = false, class Merge>
+template <int M, int kMaxThreads, bool kWholeWarps = false, class Combine>
 __device__ __forceinline__ void segment_reduce(float (&v)[M], int threads, float* red,
-                                               bool red_free, Merge merge) {
+                                               bool red_free, Combine combine) {
   static_assert(kMaxThreads <= 32 * 32, "the warp partials fit one warp");
-  auto exchange = [&](int o) {
-    float other[M];
-#pragma unroll
-    for (int i = 0; i < M; ++i) other[i] = __shfl_xor_sync(0xffffffffu, v[i], o);
-    merge(v, other);
-  };
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    if (o >= threads) break;
-    exchange(o);
-  }
+  combine(v, threads, Lanes<32>());
   if (threads <= 32) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (!red_free) __syncthreads();
@@ -59,18 +54,23 @@ __device__ __forceinline__ void segment_reduce(float (&v)[M], int threads, float
   const bool held = !kWholeWarps || (lane & (span - 1)) < warps;
 #pragma unroll
   for (int i = 0; i < M; ++i) v[i] = held ? red[from * M + i] : 0.f;
-#pragma unroll
-  for (int o = 1; o < kMaxThreads / 32; o <<= 1) {
-    if (o >= span) break;
-    exchange(o);
-  }
+  combine(v, span, Lanes<kMaxThreads / 32>());
 }
 
-struct AddValues {
-  template <int M>
-  __device__ __forceinline__ void operator()(float (&v)[M], const float (&other)[M]) const {
+// Sums over each group of lanes: butterflies, in which both lanes of a pair add the same two
+// values.
+struct GroupSum {
+  template <int M, int kMax>
+  __device__ __forceinline__ void operator()(float (&v)[M], int width, Lanes<kMax>) const {
 #pragma unroll
-    for (int i = 0; i < M; ++i) v[i] += other[i];
+    for (int o = 1; o < kMax; o <<= 1) {
+      if (o >= width) break;
+      float other[M];
+#pragma unroll
+      for (int i = 0; i < M; ++i) other[i] = __shfl_xor_sync(0xffffffffu, v[i], o);
+#pragma unroll
+      for (int i = 0; i < M; ++i) v[i] += other[i];
+    }
   }
 };
 
@@ -78,55 +78,66 @@ struct AddValues {
 template <int M, int kMaxThreads = kNormMaxThreads, bool kWholeWarps = false>
 __device__ __forceinline__ void segment_sum(float (&v)[M], int threads, float* red,
                                             bool red_free = false) {
-  segment_reduce<M, kMaxThreads, kWholeWarps>(v, threads, red, red_free, AddValues());
+  segment_reduce<M, kMaxThreads, kWholeWarps>(v, threads, red, red_free, GroupSum());
 }
 
 // Moments of a set of elements: {mean, m2 (the sum of squared deviations from the mean),
 // count}.
 using Moments = float[3];
 
-// Chan, Golub and LeVeque's pairwise merge of two sets' moments into `m`, written so that it
-// gives the same bits whichever set is `m` (every operation is a commutative one of both sides;
-// the mean's products are kept out of a fused multiply-add, which would round one side's and not
-// the other's), and an empty set leaves the other as it is. __fdividef (2 ulp): the IEEE
-// division's slow path made the plain forward spill 8-48 bytes.
-struct MergeMoments {
-  __device__ __forceinline__ void operator()(Moments& m, const Moments& other) const {
-    const float count = m[2] + other[2];
-    const float d = m[0] - other[0];
-    const float scale = count > 0.f ? __fdividef(1.f, count) : 0.f;
-    m[1] = (m[1] + other[1]) + d * d * (m[2] * other[2] * scale);
-    m[0] = (__fmul_rn(m[2], m[0]) + __fmul_rn(other[2], other[0])) * scale;
-    m[2] = count;
+// Two ways to combine the moments of each group of lanes from each lane's own (an empty set as
+// zeros), both one division a group where Chan, Golub and LeVeque's pairwise merge at every
+// butterfly level took a division a level (~25 instructions a level; ~11 where every lane held
+// as many elements, a halving instead), against ~6 here. Both give every lane of a group the
+// same bits (GroupSum). One H200, bf16, % of copy, direct timing (benchmarks/NOTES.md,
+// twenty-second session): LayerNorm alone, the pairwise merges / ShiftedMoments, 76 / 90 at
+// 18432 columns, 73 / 91 at 21504, 73 / 90 at 36864 (threads holding unequal counts), 87 / 91 at
+// 40960 and 49152, 88 / 91 at 5120.
+//
+// ShiftedMoments: sums around c, the mean of the group's first lane (one holding the most): every
+// lane's count, count (mean - c) and m2 + count (mean - c)^2 in one butterfly of three sums, then
+// the group's mean c + s1 / n and m2 s2 - s1^2 / n. Stable: a set A of n_A elements within a set
+// of n has n_A (mean_A - mean)^2 <= m2, so s2 <= (1 + n / n_A) m2 and the subtraction loses at
+// most log2(1 + width) bits.
+struct ShiftedMoments {
+  template <int kMax>
+  __device__ __forceinline__ void operator()(Moments& m, int width, Lanes<kMax> lanes) const {
+    const float c = __shfl_sync(0xffffffffu, m[0], 0, width < kMax ? width : kMax);
+    const float d = m[0] - c;
+    float t[3] = {m[2], m[2] * d, fmaf(m[2] * d, d, m[1])};
+    GroupSum()(t, width, lanes);
+    const float shift = t[0] > 0.f ? t[1] * rcp_ftz(t[0]) : 0.f;
+    m[0] = c + shift;
+    m[1] = fmaxf(t[2] - t[1] * shift, 0.f);
+    m[2] = t[0];
   }
 };
 
-// MergeMoments for two sets of one count: mean = (a + b) / 2, m2 = m2_a + m2_b + (a - b)^2
-// count / 2. One H200, % of copy, direct timing: the plain LayerNorm forward 81-93 with the
-// general merge against 83-95 with this one (4096 to 14336 columns, every lane holding as many
-// slices as the others).
-struct MergeEqualMoments {
-  __device__ __forceinline__ void operator()(Moments& m, const Moments& other) const {
-    const float d = m[0] - other[0];
-    m[1] = (m[1] + other[1]) + d * d * (0.5f * m[2]);
-    m[0] = 0.5f * (m[0] + other[0]);
-    m[2] *= 2.f;
+// CenteredMoments: the group's count and sum in one butterfly, its mean, then every lane's m2 +
+// count (mean_lane - mean)^2 summed in a second: no subtraction of large sums, and a longer chain
+// of shuffles than ShiftedMoments.
+struct CenteredMoments {
+  template <int kMax>
+  __device__ __forceinline__ void operator()(Moments& m, int width, Lanes<kMax> lanes) const {
+    float t[2] = {m[2], m[2] * m[0]};
+    GroupSum()(t, width, lanes);
+    const float mean = t[0] > 0.f ? t[1] * rcp_ftz(t[0]) : 0.f;
+    const float d = m[0] - mean;
+    float q[1] = {fmaf(m[2] * d, d, m[1])};
+    GroupSum()(q, width, lanes);
+    m[0] = mean;
+    m[1] = q[0];
+    m[2] = t[0];
   }
 };
 
-// A segment's moments from each thread's own (threads holding none pass count 0): one round
-// through shared memory, where the mean and then the deviations from it take two, and with the
-// deviations taken from each thread's own mean no large mean cancels. `equal_counts`: every
-// thread of the segment holds as many elements (the same in all of them). `red`: 3 floats a
-// warp, which no thread may still be reading from an earlier call.
-template <int kMaxThreads, bool kWholeWarps = false>
-__device__ __forceinline__ void segment_moments(Moments& m, int threads, float* red,
-                                                bool equal_counts) {
-  // Where the warps are not a power of two, the zeros that pad them are not of equal count.
-  if (equal_counts && (!kWholeWarps || (threads & (threads - 1)) == 0))
-    segment_reduce<3, kMaxThreads, kWholeWarps>(m, threads, red, true, MergeEqualMoments());
-  else
-    segment_reduce<3, kMaxThreads, kWholeWarps>(m, threads, red, true, MergeMoments());
+// A segment's moments from each thread's own (threads holding none pass count 0), combined by
+// Combine (ShiftedMoments or CenteredMoments): one round through shared memory, where the mean
+// and then the deviations from it take two. `red`: 3 floats a warp, which no thread may still be
+// reading from an earlier call.
+template <int kMaxThreads, bool kWholeWarps = false, class Combine = ShiftedMoments>
+__device__ __forceinline__ void segment_moments(Moments& m, int threads, float* red) {
+  segment_reduce<3, kMaxThreads, kWholeWarps>(m, threads, red, true, Combine());
 }
 
 // Where a thread's work lies: its segment lane and slot, the group of its block and, when the

@@ -146,25 +146,19 @@ __device__ __forceinline__ void cluster_push(const float (&v)[M], ClusterInbox<M
 }
 
 // Replaces v (the same in every thread of the block) with the cluster's values combined by
-// `merge` (as for segment_reduce; zeros stand for the ranks past `ranks`, so they must leave a
-// value as it is), in rank order, so every thread of every CTA gets the same bits. Called by
-// every thread of the block.
-template <int M, class Merge>
+// `combine` (as for segment_reduce; zeros stand for the ranks past `ranks`, so they must be taken
+// for nothing), in rank order, so every thread of every CTA gets the same bits. Called by every
+// thread of the block.
+template <int M, class Combine>
 __device__ __forceinline__ void cluster_reduce(float (&v)[M], ClusterInbox<M>& box, int ranks,
-                                               int rank, int parity, Merge merge) {
-  static_assert(kMaxCluster <= 8, "the butterfly below spans 8 lanes");
+                                               int rank, int parity, Combine combine) {
+  static_assert(kMaxCluster <= 8, "a group of 8 lanes holds the ranks");
   cluster_push(v, box, ranks, rank, parity);
   const int lane = threadIdx.x & 31;
   float t[M];
 #pragma unroll
   for (int i = 0; i < M; ++i) t[i] = lane < ranks ? box.value[lane & 7][i] : 0.f;
-#pragma unroll
-  for (int o = 1; o < 8; o <<= 1) {
-    float other[M];
-#pragma unroll
-    for (int i = 0; i < M; ++i) other[i] = __shfl_xor_sync(0xffffffffu, t[i], o);
-    merge(t, other);
-  }
+  combine(t, 8, Lanes<8>());
 #pragma unroll
   for (int i = 0; i < M; ++i) v[i] = __shfl_sync(0xffffffffu, t[i], 0);
 }
@@ -173,7 +167,7 @@ __device__ __forceinline__ void cluster_reduce(float (&v)[M], ClusterInbox<M>& b
 template <int M>
 __device__ __forceinline__ void cluster_push_sum(float (&v)[M], ClusterInbox<M>& box, int ranks,
                                                  int rank, int parity) {
-  cluster_reduce(v, box, ranks, rank, parity, AddValues());
+  cluster_reduce(v, box, ranks, rank, parity, GroupSum());
 }
 
 // One 16-byte slice of 16-bit dtype d, as loaded (two elements a register), widened.
@@ -216,8 +210,8 @@ __device__ __forceinline__ float2 row_moments(const NormArgs& a, const NormPlan&
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) m[1] += (f[e] - m[0]) * (f[e] - m[0]);
     }
-    segment_moments<kMaxThreads, true>(m, T, red, n % T == 0);
-    if constexpr (kCluster) cluster_reduce(m, box, p.cluster, rank, parity, MergeMoments());
+    segment_moments<kMaxThreads, true>(m, T, red);
+    if constexpr (kCluster) cluster_reduce(m, box, p.cluster, rank, parity, ShiftedMoments());
     mean = m[0];
     var = m[1] * inv_len;
   } else {

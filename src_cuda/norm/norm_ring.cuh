@@ -17,6 +17,8 @@
 // instantiation files.
 #pragma once
 
+#include <type_traits>
+
 #include "../common/bulk_copy.cuh"
 #include "norm_fast.cuh"
 
@@ -251,8 +253,8 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
 // Each thread reads its slices from the stage again after the row's reduction, so no register keeps
 // them across. A LayerNorm's statistics take one pass over the stage and one round across the CTA:
 // each thread sums g - c and (g - c)^2 around c, its own first g, into its moments (stable: c is
-// one of the thread's own elements, so n (mean - c)^2 <= n m2 with n <= 32), segment_moments merges
-// the CTA's threads' and the CTAs merge theirs in one cluster round. One H200, bf16, % of copy,
+// one of the thread's own elements, so n (mean - c)^2 <= n m2 with n <= 32), segment_moments
+// combines the CTA's threads' and the CTAs combine theirs in one cluster round. One H200, bf16, % of copy,
 // against the CTA's mean and then its deviations (a second read of the stage, a second round): the
 // norm alone 83 / 87 at 24576 columns, 86 / 89 at 32768, 81-82 / 85-86 at 40960 and 49152, 83 / 87
 // at 65536; beside a float32 stream level at 40960 and 65536 (88-91), but 89 / 84 at 49152 (six
@@ -423,21 +425,22 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
     // The CTA's statistics: a LayerNorm's moments, an RMSNorm's sum of g^2.
     Moments m = {shift + acc * inv_held, fmaxf(acc2 - acc * (acc * inv_held), 0.f), held};
     float t[1] = {acc};
-    // One H200, bf16, % of copy, the LayerNorm alone: 85-87 at 20480 and 65536 columns, where
-    // every thread holds as many elements (merges of equal counts), 71 at 36864, where they do
-    // not (the general merge's division a step). Adding each warp's deviations around its lane
-    // 0's mean and the warps' around warp 0's instead (no division, any counts): 80-85 at 36864,
-    // but 77-81 at 20480, 28672 and 65536, and with both in the kernel, each where it was
-    // faster, the equal counts ran at 77-81 too.
+    // The moments combine around the first lane's mean (ShiftedMoments) for the norm alone, from
+    // the mean (CenteredMoments) beside a stream. One H200, bf16, % of copy, direct timing,
+    // Shifted / Centered: beside a float32 stream 87 / 92 at 49152 columns (six CTAs of 1024
+    // slices in 512 threads), 86 / 89 at 28672, but 91 / 89 at 18432 and 20480; alone 90 / 88 at
+    // 18432, 91 / 86 at 21504, 90 / 86 at 36864 (threads holding unequal counts), 91 / 91 from
+    // 40960, but 88-90 / 89-91 at 20480 to 32768 (benchmarks/NOTES.md).
+    using RowMoments = std::conditional_t<kOp == kRingResidual, CenteredMoments, ShiftedMoments>;
     if constexpr (kLayer)
-      segment_moments<kNormMaxThreads>(m, T, rb, n % T == 0);
+      segment_moments<kNormMaxThreads, false, RowMoments>(m, T, rb);
     else
       segment_sum<1>(t, T, rb, true);
     // Past that barrier every thread is done with the previous row's stage: refill it.
     if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
     // The row's, merged across the cluster.
     if constexpr (kLayer)
-      cluster_reduce(m, inbox[j & 1], p.cluster, rank, (j >> 1) & 1, MergeMoments());
+      cluster_reduce(m, inbox[j & 1], p.cluster, rank, (j >> 1) & 1, RowMoments());
     else
       cluster_push_sum(t, inbox[j & 1], p.cluster, rank, (j >> 1) & 1);
     const float mean = kLayer ? m[0] : 0.f;
