@@ -254,11 +254,12 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
 // them across. A LayerNorm's statistics take one pass over the stage and one round across the CTA:
 // each thread sums g - c and (g - c)^2 around c, its own first g, into its moments (stable: c is
 // one of the thread's own elements, so n (mean - c)^2 <= n m2 with n <= 32), segment_moments
-// combines the CTA's threads' and the CTAs combine theirs in one cluster round. One H200, bf16, % of copy,
-// against the CTA's mean and then its deviations (a second read of the stage, a second round): the
-// norm alone 83 / 87 at 24576 columns, 86 / 89 at 32768, 81-82 / 85-86 at 40960 and 49152, 83 / 87
-// at 65536; beside a float32 stream level at 40960 and 65536 (88-91), but 89 / 84 at 49152 (six
-// CTAs of 1024 slices in 512 threads; not understood). The same sums around the first g of the
+// combines the CTA's threads' and the CTAs combine theirs in one cluster round. One H200, bf16, %
+// of copy, against the CTA's mean and then its deviations (a second read of the stage, a second
+// round): the norm alone 83 / 87 at 24576 columns, 86 / 89 at 32768, 81-82 / 85-86 at 40960 and
+// 49152, 83 / 87 at 65536; beside a float32 stream level at 40960 and 65536 (88-91), but 89 / 84
+// at 49152 (six CTAs of 1024 slices in 512 threads; not understood). The same sums around the
+// first g of the
 // CTA's share ran as fast but lost ~1e-3 of the variance where that g stands far from the rest
 // (test_ring_layer_norm_moments). The first pass writes g back over its slice in float32 where it
 // is neither x nor derived from x alone (recomputing x silu(z) for y would cost two more
