@@ -136,13 +136,15 @@ NORM_CASES = [
     # The ring forward: an RMSNorm of 16-bit rows gated in one group from 513 slices, the
     # gate first on two CTAs of 513 and 512 slices, after the norm on seven of 440, the last 433;
     # a LayerNorm beside a residual from 4097 slices (its stream float32, then bf16) on six CTAs
-    # of 854 slices, the last 851, and beside a float32 stream from 1281 on two of 769 and 768;
-    # enough rows that every cluster walks its ring of stages more than once.
+    # of 854 slices, the last 851, and beside a float32 stream from 1281 on two of 769 and 768
+    # and on eight of 385, the last 378 (from three CTAs up to 4096 slices); enough rows that
+    # every cluster walks its ring of stages more than once.
     (300, 8200, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
     (250, 24584, 0, "rms", torch.float16, torch.float16, True, True, 0, None),
     (200, 40968, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
     (200, 40968, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     (300, 12296, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
+    (300, 24584, 0, "layer", torch.float16, torch.float32, False, True, 0, torch.float32),
     # The staged forward without a gate: an RMSNorm of 16-bit rows beside their dtype, 769 slices.
     (5, 6152, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     # The staged forward with a gate on groups of 33 slices (16 threads a segment).

@@ -141,11 +141,13 @@ GATED_RING_ROWS = (
 # one group without a gate from 4097 slices, a LayerNorm beside a float32 stream from 1281
 # (test_residual_ring_rows), enough rows that every cluster walks its ring more than once: a
 # LayerNorm at 12296 columns (two CTAs of 769 and 768 slices in 512 threads beside a float32
-# stream: unequal counts), returning the stream at 40968 (six CTAs of 854 slices, the last 851),
-# an RMSNorm with a bias at 49152 (six full ones), a LayerNorm at 65536 (eight) returning the
-# stream.
+# stream: unequal counts), at 24584 (eight CTAs of 385 slices, the last 378, in 256 threads: from
+# three CTAs up to 4096 slices a float32 stream takes eight), returning the stream at 40968 (six
+# CTAs of 854 slices, the last 851), an RMSNorm with a bias at 49152 (six full ones), a LayerNorm
+# at 65536 (eight) returning the stream.
 RESIDUAL_RING_ROWS = (
     LAYER.replace(hidden=12296, residual=True, lead=(400,)),
+    LAYER.replace(hidden=24584, residual=True, lead=(300,)),
     LAYER.replace(hidden=40968, residual=True, prenorm=True, lead=(200,)),
     BASE.replace(hidden=49152, residual=True, bias=True, lead=(200,)),
     LAYER.replace(hidden=65536, residual=True, prenorm=True, lead=(150,)),

@@ -40,11 +40,14 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int slices_of(const NormArgs& a) { return int(ceil_div(a.group_size, kSlice)); }
 
 // The ring forward's CTAs a cluster for rows of nslices slices (norm_plan.h): the fewest that hold
-// a row, kRingFwdCtaSlices each, and from three of them, of the counts up to kMaxCluster the one
-// whose CTAs (a power of two threads each, K slices a thread) leave the fewest slots idle.
-int ring_fwd_cluster(int nslices, int K) {
+// a row, kRingFwdCtaSlices each, and from three of them kMaxCluster beside a float32 stream while
+// its CTAs then hold kRingStreamWideCtaSlices at most, else, of the counts up to kMaxCluster, the
+// one whose CTAs (a power of two threads each, K slices a thread) leave the fewest slots idle.
+int ring_fwd_cluster(int nslices, Dtype stream) {
+  const int K = ring_slices(stream);
   const int least = int(ceil_div(nslices, kRingFwdCtaSlices));
   if (least < kRingBalancedFrom) return least;
+  if (stream == Dtype::F32 && nslices <= kMaxCluster * kRingStreamWideCtaSlices) return kMaxCluster;
   int best = least;
   int64_t best_slots = INT64_MAX;
   for (int c = least; c <= kMaxCluster; ++c) {
@@ -374,7 +377,7 @@ int plain_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
 // it.
 int ring_fwd_plan(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
-  const int cluster = ring_fwd_cluster(nslices, ring_slices(Dtype(d.rt)));
+  const int cluster = ring_fwd_cluster(nslices, Dtype(d.rt));
   const bool residual = a.residual.present() || a.residual_out.present();
   const bool alone = !a.z.present() && !residual && d.rt == d.dt &&
                      nslices >= (a.layer_norm ? kRingLayerMinSlices : kRingFwdMinSlices);

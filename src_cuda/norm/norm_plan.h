@@ -258,9 +258,21 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 // of 854 slices in 256 threads left a sixth of the slots idle, five of 512 in 128 threads none.
 // LayerNorm alone 68 / 86-87 at 20480 and 74 / 87-88 at 28672 (seven CTAs), gated 84 / 91-94 at
 // 20480. From two CTAs it lost (gated 95 / 90 at 10240, three CTAs of 427 slices).
+// Beside a float32 stream, clusters of kMaxCluster CTAs instead, while those hold at most
+// kRingStreamWideCtaSlices slices each (up to 32768 columns): CTAs of up to 256 threads, three an
+// SM (registers), and the device fits enough clusters of eight to fill 91% of its CTA slots
+// (cudaOccupancyMaxActiveClusters on the H200, clusters of c CTAs three an SM: 69 of five, 47 of
+// seven, 45 of eight in 396 slots; one an SM: 39 of three, 30 of four in 132). The balanced
+// counts filled 83-89%: three CTAs of 512 threads at 22528 and 24576 columns, five or seven of
+// 256 at 20480, 26624 and 28672. One H200, bf16, direct timing, two runs in one process, balanced
+// against eight: 89.2 / 91.6-92.0 at 20480 columns, 88.1 / 91.5 at 22528, 88.0 / 91.1 at 24576,
+// 89.4 / 91.4 at 26624, 89.5 / 91.6 at 28672; level at 30720 and 32768 (four CTAs, 91.0 / 91.3
+// and 90.0 / 90.3). Past that eight CTAs hold 512 threads each, one an SM, and lost at 40960
+// (90.8 / 86.8), so the balanced count stays there.
 constexpr int kRingFwdStages = 3, kRingFwdCtaSlices = 1024, kRingFwdMinSlices = 4097;
 constexpr int kRingLayerMinSlices = 2049, kRingGatedMinSlices = 513;
 constexpr int kRingStreamLayerMinSlices = 1281, kRingBalancedFrom = 3;
+constexpr int kRingStreamWideCtaSlices = 512;
 template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
