@@ -27,14 +27,16 @@ Bytes counted:
   write dx, dresidual (only when the residual dtype differs from x's: otherwise it is dx
   itself), dz, dweight, dbias. bias is not read: no gradient here depends on it.
 
-Timing: each implementation's calls are queued back to back, each between its own pair of
-CUDA events, with one host wait after the last (Timer.median_ms says why); each figure is the
-smallest of --rounds such medians. Something outside the kernels can hold a whole measurement
-back (most likely the host stalling while a window is open: the GPU machine shares its
-processor): of two full runs on one H200 with one round, the first had a LayerNorm backward
-at 56% of copy in one row (86-87% in three other runs) and the second two other rows at 55%
-and 64%, their kernels timed directly at 83-91%. Such a stall can only lengthen a window, so
-the fastest round is the kernels' own speed, for every implementation alike.
+Timing: each implementation's calls are queued one after another, each between its own pair
+of CUDA events, with one host wait after the last; each figure is the smallest of --rounds
+such medians (a host stall can only lengthen a window). Before each window a spin kernel of
+--lead-ms (1 ms) is queued, so the GPU is still busy with it while the host issues the timed
+call: the window holds the call's GPU work (its kernels and any gaps between them), not the
+host's time to reach its first kernel. Without it (--lead-ms 0) the backward rows measured
+the host: on one H100 machine an autograd backward took 150-330 us of host time, more than the
+untimed forward queued before it, and the LayerNorm alone's backward read 60-73% of copy at
+kernels timed directly at 82-91%. The host's own time a call (the median of the Python-side
+time from the call to its return, the fewest of the rounds) is reported beside each speed.
 Forward calls are made with autograd recording (inputs require grad), i.e. the
 training forward that the backward below pairs with; --fwd-mode infer times it under
 torch.no_grad() instead (one more torch.compile per row). The backward is timed alone and the
@@ -297,20 +299,35 @@ def make_impl(impl, row, mamba_ln, mamba_gated):
 # timing and checking
 
 class Timer:
-    def __init__(self, device, flush_l2):
+    def __init__(self, device, flush_l2, lead_ms):
         self.cuda = device == "cuda"
         # Writing a buffer larger than L2 before each timed call evicts the previous call's
         # data, so small rows are measured from DRAM (off by default, as PERFORMANCE.md ran).
         self.flush = (torch.empty(2**28, dtype=torch.uint8, device=device)
                       if flush_l2 and self.cuda else None)
+        # A spin kernel of lead_ms queued before each window keeps the GPU busy while the host
+        # prepares the call, so the window holds the call's GPU work alone (host time is
+        # reported apart): on one H100 machine an autograd backward took up to ~330 us of host
+        # time, more than the untimed forward before it, and the GPU idled inside the window.
+        self.lead_cycles = self._cycles(lead_ms) if self.cuda and lead_ms > 0 else 0
+        self.host_ms = None  # median host time of one call in the last median_ms
+
+    @staticmethod
+    def _cycles(ms):
+        probe = 10**7
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(probe)  # first launch loads the kernel
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        return int(probe * ms / start.elapsed_time(end))
 
     def median_ms(self, fn, reps, warmup, setup=None):
         """Median over reps of fn's time; setup (untimed) runs before each call. On CUDA the
-        calls are queued back to back, each between its own pair of events, and the host waits
-        only after the last: as in a model, the host prepares a call while the GPU runs the
-        one before, so each window holds the call's GPU time (host work shows only where it
-        outlasts that). Synchronising after every call would add each implementation's host
-        time (~20-40 us of Python, autograd and dispatch a call) to its window."""
+        calls are queued one after another, each behind the lead spin and between its own pair
+        of events, and the host waits only after the last, so each window holds the call's GPU
+        time; self.host_ms is then the median host time of a call."""
         # Python's cycle collector stays off while the calls are queued. With it on, two sweeps
         # of every kind in one process timed the norm alone's backward from 4096 columns at
         # 44-92% of copy on one H200, where runs of one kind a process gave 63-93; with it off,
@@ -328,28 +345,34 @@ class Timer:
                 setup()
             fn()
         self.sync()
+        host = []
         if not self.cuda:
-            times = []
             for _ in range(reps):
                 if setup:
                     setup()
                 t0 = time.perf_counter()
                 fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            return statistics.median(times)
+                host.append((time.perf_counter() - t0) * 1e3)
+            self.host_ms = statistics.median(host)
+            return self.host_ms
         events = []
         for _ in range(reps):
             if setup:
                 setup()
             if self.flush is not None:
                 self.flush.zero_()
+            if self.lead_cycles:
+                torch.cuda._sleep(self.lead_cycles)
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn()
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             events.append((start, end))
         self.sync()
+        self.host_ms = statistics.median(host)
         return statistics.median(start.elapsed_time(end) for start, end in events)
 
     def sync(self):
@@ -390,8 +413,18 @@ def compare(got, want, names):
     return None
 
 
+def timed(timer, fn, args, warmup, setup=None):
+    """(fastest of args.rounds medians in ms, the fewest of their median host us a call)."""
+    device_ms, host_us = [], []
+    for _ in range(args.rounds):
+        device_ms.append(timer.median_ms(fn, args.reps, warmup, setup=setup))
+        host_us.append(timer.host_ms * 1e3)
+    return min(device_ms), min(host_us)
+
+
 def measure(impl, fn, row, leaves, grads, ref, names, timer, args):
-    r = dict(impl=impl, check=None, error=None, fwd_ms=None, bwd_ms=None)
+    r = dict(impl=impl, check=None, error=None, fwd_ms=None, bwd_ms=None, fwd_host_us=None,
+             bwd_host_us=None)
     try:
         # first call: compiles / autotunes where an implementation does that (not timed)
         outs, gr = forward_backward(fn, leaves, grads)
@@ -409,7 +442,7 @@ def measure(impl, fn, row, leaves, grads, ref, names, timer, args):
         else:
             def fwd():
                 fn(*leaves)
-        r["fwd_ms"] = min(timer.median_ms(fwd, args.reps, warmup) for _ in range(args.rounds))
+        r["fwd_ms"], r["fwd_host_us"] = timed(timer, fwd, args, warmup)
         need = [t for t in leaves if t is not None]
         state = {}
 
@@ -419,8 +452,7 @@ def measure(impl, fn, row, leaves, grads, ref, names, timer, args):
         def bwd():
             outs = state.pop("outs")
             torch.autograd.grad(outs, need, grads[:len(outs)])
-        r["bwd_ms"] = min(timer.median_ms(bwd, args.reps, warmup, setup=setup)
-                          for _ in range(args.rounds))
+        r["bwd_ms"], r["bwd_host_us"] = timed(timer, bwd, args, warmup, setup)
     except Exception as e:  # noqa: BLE001 - one implementation failing must not end the run
         r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     return r
@@ -448,6 +480,10 @@ def main():
                          "32768 rows up to hidden 8192")
     ap.add_argument("--flush-l2", action="store_true",
                     help="evict L2 before each timed call (matters at small hidden)")
+    ap.add_argument("--lead-ms", type=float, default=1.0,
+                    help="GPU spin queued before each timed call, hiding the host's time to "
+                         "issue it (0: none; the call's host time then counts where it "
+                         "outlasts the GPU work queued before it)")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny rows on the CPU, no JSON: only exercises the code paths")
     args = ap.parse_args()
@@ -485,7 +521,7 @@ def main():
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
-    timer = Timer(device, args.flush_l2)
+    timer = Timer(device, args.flush_l2, args.lead_ms)
     copy = copy_tbps(timer, device, copy_bytes, max(args.reps, 10), args.rounds)
     print(f"device-to-device copy: {copy:.3f} TB/s (read + written bytes)", flush=True)
 
@@ -504,7 +540,7 @@ def main():
                 fn = make_impl(impl, row, mamba_ln, mamba_gated)
             except Exception as e:  # noqa: BLE001 - not available: its columns read "-"
                 r = dict(impl=impl, check=None, error=f"{type(e).__name__}: {e}"[:300],
-                         fwd_ms=None, bwd_ms=None)
+                         fwd_ms=None, bwd_ms=None, fwd_host_us=None, bwd_host_us=None)
             else:
                 r = measure(impl, fn, row, leaves, grads, ref, names, timer, args)
                 del fn  # drops the compiled graph or autotuned state it holds
@@ -540,7 +576,7 @@ def main():
             libssm=getattr(libssm, "__version__", None), mamba_ssm=mamba_from,
             host=platform.node(), copy_tbps=copy, reps=args.reps, rounds=args.rounds,
             fwd_mode=args.fwd_mode,
-            flush_l2=args.flush_l2, max_elements=max_elements,
+            flush_l2=args.flush_l2, lead_ms=args.lead_ms, max_elements=max_elements,
             backward_timing="forward untimed, then torch.autograd.grad of all outputs timed",
             results=results), indent=1))
 
@@ -554,6 +590,8 @@ def main():
         c = [("WRONG" if flags[i] else fmt(tb[i], ".2f")) for i in IMPLS]
         c.append(fmt(lib and 100 * lib / copy, ".0f"))
         c += [fmt(lib and tb[p] and lib / tb[p], ".2f") for p in PEERS]
+        c.append(" / ".join(fmt(find(i, f"{d}_host_us", row), ".0f")
+                            for i in ("libssm", "compile")))
         return c, lib, tb["compile"]
 
     def targets(row, fwd, bwd):
@@ -575,7 +613,8 @@ def main():
     head = ["kind", "hidden", "rows", "x / residual"]
     for d in ("fwd", "bwd"):
         head += [f"{d} libssm", f"{d} eager", f"{d} compile", f"{d} mamba", f"{d} % copy",
-                 f"{d} x eager", f"{d} x compile", f"{d} x mamba"]
+                 f"{d} x eager", f"{d} x compile", f"{d} x mamba",
+                 f"{d} host us libssm / compile"]
     head.append("targets")
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head))
