@@ -135,10 +135,11 @@ NORM_CASES = [
     (300, 24584, 0, "layer", torch.float16, torch.float32, False, True, 0, None),
     # The ring forward: an RMSNorm of 16-bit rows gated in one group from 513 slices, the
     # gate first on two CTAs of 513 and 512 slices, after the norm on seven of 440, the last 433;
-    # a LayerNorm beside a residual from 4097 slices (its stream float32, then bf16) on six CTAs
-    # of 854 slices, the last 851, and beside a float32 stream from 1281 on two of 769 and 768
-    # and on eight of 385, the last 378 (from three CTAs up to 4096 slices); enough rows that
-    # every cluster walks its ring of stages more than once.
+    # a LayerNorm beside a residual from 4097 slices (its stream float32 on eight CTAs of 641
+    # slices, the last 634, past 5120 slices; bf16 on six of 854, the last 851), and beside a
+    # float32 stream from 1281 on two of 769 and 768 and on eight of 385, the last 378 (from
+    # three CTAs up to 4096 slices); enough rows that every cluster walks its ring of stages more
+    # than once.
     (300, 8200, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
     (250, 24584, 0, "rms", torch.float16, torch.float16, True, True, 0, None),
     (200, 40968, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.float32),

@@ -143,8 +143,10 @@ GATED_RING_ROWS = (
 # LayerNorm at 12296 columns (two CTAs of 769 and 768 slices in 512 threads beside a float32
 # stream: unequal counts), at 24584 (eight CTAs of 385 slices, the last 378, in 256 threads: from
 # three CTAs up to 4096 slices a float32 stream takes eight), returning the stream at 40968 (six
-# CTAs of 854 slices, the last 851), an RMSNorm with a bias at 49152 (six full ones), a LayerNorm
-# at 65536 (eight) returning the stream.
+# CTAs of 854 slices, the last 851, beside a stream of x's dtype; eight of 641, the last 634,
+# beside a float32 one, which takes eight again past 5120 slices), an RMSNorm with a bias at
+# 49152 (six full ones; eight of 768 beside a float32 stream), a LayerNorm at 65536 (eight)
+# returning the stream.
 RESIDUAL_RING_ROWS = (
     LAYER.replace(hidden=12296, residual=True, lead=(400,)),
     LAYER.replace(hidden=24584, residual=True, lead=(300,)),

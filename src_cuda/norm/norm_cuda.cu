@@ -41,13 +41,16 @@ int slices_of(const NormArgs& a) { return int(ceil_div(a.group_size, kSlice)); }
 
 // The ring forward's CTAs a cluster for rows of nslices slices (norm_plan.h): the fewest that hold
 // a row, kRingFwdCtaSlices each, and from three of them kMaxCluster beside a float32 stream while
-// its CTAs then hold kRingStreamWideCtaSlices at most, else, of the counts up to kMaxCluster, the
-// one whose CTAs (a power of two threads each, K slices a thread) leave the fewest slots idle.
+// its CTAs then hold kRingStreamWideCtaSlices at most or past kRingStreamEightAfter slices, else,
+// of the counts up to kMaxCluster, the one whose CTAs (a power of two threads each, K slices a
+// thread) leave the fewest slots idle.
 int ring_fwd_cluster(int nslices, Dtype stream) {
   const int K = ring_slices(stream);
   const int least = int(ceil_div(nslices, kRingFwdCtaSlices));
   if (least < kRingBalancedFrom) return least;
-  if (stream == Dtype::F32 && nslices <= kMaxCluster * kRingStreamWideCtaSlices) return kMaxCluster;
+  if (stream == Dtype::F32 && (nslices <= kMaxCluster * kRingStreamWideCtaSlices ||
+                               nslices > kRingStreamEightAfter))
+    return kMaxCluster;
   int best = least;
   int64_t best_slots = INT64_MAX;
   for (int c = least; c <= kMaxCluster; ++c) {

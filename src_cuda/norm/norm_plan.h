@@ -268,11 +268,15 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 // against eight: 89.2 / 91.6-92.0 at 20480 columns, 88.1 / 91.5 at 22528, 88.0 / 91.1 at 24576,
 // 89.4 / 91.4 at 26624, 89.5 / 91.6 at 28672; level at 30720 and 32768 (four CTAs, 91.0 / 91.3
 // and 90.0 / 90.3). Past that eight CTAs hold 512 threads each, one an SM, and lost at 40960
-// (90.8 / 86.8), so the balanced count stays there.
+// (90.8 / 86.8), so the balanced count stays there; but past kRingStreamEightAfter slices (40960
+// columns), where the balanced count takes six or seven CTAs of 512 threads (one an SM: 102 or
+// 105 of 132 SMs), eight again: one H200, 90.7 / 93.0 at 49152 columns; one H100 (direct timing,
+// three runs), 88.3 / 96.2 at 45056, 88.7 / 96.4 at 49152, 96.3 / 96.8 at 57344, and level at
+// 40960 (95.3 / 95.3).
 constexpr int kRingFwdStages = 3, kRingFwdCtaSlices = 1024, kRingFwdMinSlices = 4097;
 constexpr int kRingLayerMinSlices = 2049, kRingGatedMinSlices = 513;
 constexpr int kRingStreamLayerMinSlices = 1281, kRingBalancedFrom = 3;
-constexpr int kRingStreamWideCtaSlices = 512;
+constexpr int kRingStreamWideCtaSlices = 512, kRingStreamEightAfter = 5120;
 template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
