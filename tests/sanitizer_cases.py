@@ -148,6 +148,11 @@ NORM_CASES = [
     (300, 24584, 0, "layer", torch.float16, torch.float32, False, True, 0, torch.float32),
     # The staged forward without a gate: an RMSNorm of 16-bit rows beside their dtype, 769 slices.
     (5, 6152, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
+    # The lean forward: two rows a lane, the second past the end (33 rows), 25 slices in 32
+    # lanes; 7 rows of one warp each; float32 rows with a gate in groups of 8 lanes.
+    (33, 200, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, torch.float32),
+    (7, 256, 0, "rms", torch.float16, torch.float32, False, True, 0, None),
+    (5, 256, 64, "rms", torch.float32, torch.float32, True, False, 0, torch.float32),
     # The staged forward with a gate on groups of 33 slices (16 threads a segment).
     (9, 2112, 264, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.bfloat16),
     # The staged forward with a gate: one CTA a segment, a cluster of 8, one of 7 (float32).

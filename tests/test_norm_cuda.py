@@ -154,8 +154,18 @@ RESIDUAL_RING_ROWS = (
     BASE.replace(hidden=49152, residual=True, bias=True, lead=(200,)),
     LAYER.replace(hidden=65536, residual=True, prenorm=True, lead=(150,)),
 )
+# The lean forward (segments of up to 32 slices: one slice a lane, two rows a lane at once, blocks
+# of 128 threads, a grid row a group): an odd row count, so the last lanes' second row is past
+# the end (257 rows of 256 columns, a warp a row); 25 slices in 32 lanes, 7 idle (200 columns);
+# four groups of 8 lanes (256 columns, groups of 64); one lane a row, 256 rows a block (8 columns).
+FAST_ROWS = (
+    BASE.replace(hidden=256, lead=(257,), residual=True, prenorm=True),
+    LAYER.replace(hidden=200, lead=(33,)),
+    GATED.replace(hidden=256, group_size=64, lead=(129,)),
+    BASE.replace(hidden=8, lead=(1001,), bias=True),
+)
 AWKWARD_ROWS = (CLUSTER_ROWS + HELD_ROWS + PLAIN_ROWS + RING_ROWS + GATED_RING_ROWS +
-                RESIDUAL_RING_ROWS) + (
+                RESIDUAL_RING_ROWS + FAST_ROWS) + (
     GATED.replace(hidden=1, group_size=0, lead=(5000,)),
     LAYER.replace(hidden=7, residual=True, z=True, lead=(1000,)),
     GATED.replace(hidden=4097, group_size=241, lead=(33,)),

@@ -443,16 +443,16 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   const int dt = common_row_dtype(a);
   const LeanDtypes lean = fwd_lean_dtypes(a, can_vectorize(a));
   const int sms = std::max(1, multiprocessor_count(device));  // cached after the first call
-  NormPlan p;
+  NormPlan p = shape_plan(a, 1);
   if (lean.ok && nslices <= kFastFwdSlices) {
-    p = shape_plan(a, 1);
-    p.block = std::max(p.threads, 256);
-    p.row_blocks = ceil_div(a.rows, p.block / p.threads);
-    return cuda_status(with_lean_dtypes(lean, [&](auto dt, auto rt) {
-                         return launch_norm_fwd_fast<decltype(dt)::value, decltype(rt)::value>(
-                             a, p, sms, s);
-                       }),
-                       "norm_fwd launch");
+    p.block = kFastFwdBlock;
+    p.row_blocks = ceil_div(a.rows, int64_t(kFastFwdBlock / p.threads) * kFastFwdRows);
+    if (p.row_blocks <= INT_MAX)
+      return cuda_status(with_lean_dtypes(lean, [&](auto dt, auto rt) {
+                           return launch_norm_fwd_fast<decltype(dt)::value,
+                                                       decltype(rt)::value>(a, p, s);
+                         }),
+                         "norm_fwd launch");
   }
   const int ring = lean.ok ? ring_fwd_plan(a, lean, device) : 0;
   if (ring > 0) {

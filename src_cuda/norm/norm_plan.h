@@ -49,21 +49,28 @@ cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 
 // The lean kernels (norm_fast.cuh). kDt: the dtype of x, y, z, dy and dx; kRt: that of the
 // residual stream (residual and residual_out forward; x, dresidual_out and dresidual backward),
-// kDt too or float32 beside 16-bit kDt. Both take a gate where kDt == kRt. The forward keeps
-// one slice a thread, for segments of up to kFastFwdSlices slices. One H200, % of copy against
-// the staged forward: 72 / 64 at 256 columns (bf16 with a bf16 residual, when the staged one
-// took four slices a thread); with its present plan 81 / 82 at 512, 85 / 90 at 1024, 81 / 85
-// for LayerNorm with a float32 stream at 1024, 86 / 93 for gated groups of 1024 (8192 columns).
-// Its launcher lowers p.row_blocks to the blocks that run at once. The
+// kDt too or float32 beside 16-bit kDt. Both take a gate where kDt == kRt. The forward takes
+// segments of up to kFastFwdSlices slices, one slice a lane and kFastFwdRows rows a lane at once,
+// in blocks of kFastFwdBlock threads, not persistent: p.row_blocks row groups of
+// kFastFwdBlock / p.threads * kFastFwdRows rows. One H100, % of copy, direct timing (GPU time
+// only), bf16 rows of 256 columns, against the persistent kernel it replaced (one row a lane
+// at a time, the next row's loads in flight, ~850 bytes of parameters): the norm alone RMSNorm
+// 86.8 / 95.8, LayerNorm 70.6 / 80.3, RMSNorm + residual 80.6 / 81.7, gated 75.6 / 77.3. One row
+// a lane ran at 84.4 / 70.5 / 79.9 / 78.3, four at 87.9 / 72.8 / 81.2 / 74.6 (80-96 registers).
+// More slices a lane instead of rows lost at every width to 1024 columns (rows of 512 columns,
+// two slices a lane: 79.0 against 80.1 for the held forward, RMSNorm alone) and so did these
+// kernels at 512 and 1024 columns against the held, plain and staged forwards. Before the
+// GPU-time windows (one H200), against the staged forward: 72 / 64 at 256 columns (bf16 with a
+// bf16 residual), 81 / 82 at 512, 85 / 90 at 1024, 86 / 93 for gated groups of 1024. The
 // backward with kCluster shares a segment among the p.cluster CTAs of a thread-block cluster
 // (sm_90 and later), p.cta_slices slices each, that add their partial sums through distributed
 // shared memory; without it one CTA holds a segment. Its launcher lowers p.row_blocks to the
 // clusters that run at once with kCluster (without, the fused plan has sized it): the partial
 // sums have p.row_blocks rows. With kCluster it returns cudaErrorInvalidClusterSize, launching
 // nothing, when not one cluster of p.cluster CTAs fits on the device.
-constexpr int kFastFwdSlices = 32;
+constexpr int kFastFwdSlices = 32, kFastFwdRows = 2, kFastFwdBlock = 128;
 template <int kDt, int kRt>
-cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
+cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, cudaStream_t stream);
 // The lean backward keeps kFastBwdSlices slices a thread, like the fused general one. Its
 // dynamic shared memory (bwd_stash_bytes) holds, per thread:
 // - with LayerNorm, a bias gradient or a gate, beside a stream of x's dtype
