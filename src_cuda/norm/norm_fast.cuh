@@ -368,16 +368,6 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
     }
   };
 
-  float sums[R];
-#pragma unroll
-  for (int i = 0; i < R; ++i) {
-    Slice f;
-    value(i, f);
-    sums[i] = 0.f;
-#pragma unroll
-    for (int e = 0; e < kSlice; ++e)
-      sums[i] = kLayer ? sums[i] + f[e] : fmaf(f[e], f[e], sums[i]);
-  }
   if (a.residual_out != nullptr) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
@@ -387,8 +377,21 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
       store_slice(a.residual_out, S, (r0 + i) * a.residual_out_stride + col, kSlice, true, f);
     }
   }
+  // Each row's total over its segment of term(sum, v, row) folded over the lane's values v.
+  float sums[R];
+  auto row_sums = [&](auto term) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      Slice f;
+      value(i, f);
+      sums[i] = 0.f;
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) sums[i] = term(sums[i], f[e], i);
+    }
+    segment_sum<R, 32>(sums, T, nullptr, true);
+  };
+  row_sums([](float sum, float v, int) { return kLayer ? sum + v : fmaf(v, v, sum); });
   const float inv_len = 1.f / float(a.group_size);
-  segment_sum<R, 32>(sums, T, nullptr, true);
   float mean[R], var[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
@@ -396,16 +399,9 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
     var[i] = sums[i] * inv_len;
   }
   if (kLayer) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      Slice f;
-      value(i, f);
-      sums[i] = 0.f;
-#pragma unroll
-      for (int e = 0; e < kSlice; ++e)
-        sums[i] += valid ? (f[e] - mean[i]) * (f[e] - mean[i]) : 0.f;
-    }
-    segment_sum<R, 32>(sums, T, nullptr, true);
+    row_sums([&](float sum, float v, int i) {
+      return valid ? fmaf(v - mean[i], v - mean[i], sum) : sum;
+    });
 #pragma unroll
     for (int i = 0; i < R; ++i) var[i] = sums[i] * inv_len;
   }
