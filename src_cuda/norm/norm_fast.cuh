@@ -418,6 +418,30 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
 #pragma unroll
     for (int i = 0; i < R; ++i) var[i] = sums[i] * a.inv_len;
   }
+  float rstd[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) rstd[i] = rsqrtf(var[i] + a.eps);
+  // The statistics in one store each for a segment's R rows (every lane has their sums): lane i
+  // writes row r0 + i, or lane 0 all where a segment has fewer lanes. One lane a row writing,
+  // the stores (and their address arithmetic, issued for the whole warp) cost the LayerNorm
+  // alone 10% (one H100, 256 columns: 84.7% of copy against 93.9 without statistics).
+  auto store_stats = [&](int64_t r, float m, float s) {
+    if (r >= a.rows) return;
+    if (a.mean != nullptr) a.mean[r * a.mean_stride[0] + blockIdx.y * a.mean_stride[1]] = m;
+    if (a.rstd != nullptr) a.rstd[r * a.rstd_stride[0] + blockIdx.y * a.rstd_stride[1]] = s;
+  };
+  if (T >= R) {
+    if (lane < R) {
+      float m = mean[0], s = rstd[0];
+#pragma unroll
+      for (int i = 1; i < R; ++i)
+        if (lane == i) m = mean[i], s = rstd[i];
+      store_stats(r0 + lane, m, s);
+    }
+  } else if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) store_stats(r0 + i, mean[i], rstd[i]);
+  }
   if (!valid) return;
 
   Slice w, b;
@@ -432,18 +456,11 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     if (!row_ok[i]) continue;
-    const int64_t r = r0 + i;
-    const float rstd = rsqrtf(var[i] + a.eps);
-    if (lane == 0) {
-      if (a.mean != nullptr)
-        a.mean[r * a.mean_stride[0] + blockIdx.y * a.mean_stride[1]] = mean[i];
-      if (a.rstd != nullptr) a.rstd[r * a.rstd_stride[0] + blockIdx.y * a.rstd_stride[1]] = rstd;
-    }
     Slice f;
     value(i, f);
 #pragma unroll
     for (int e = 0; e < kSlice; ++e) {
-      f[e] = (kLayer ? f[e] - mean[i] : f[e]) * rstd * w[e] + b[e];
+      f[e] = (kLayer ? f[e] - mean[i] : f[e]) * rstd[i] * w[e] + b[e];
       if (kGate && !gate_first) f[e] *= u[i][e];
     }
     store_slice(a.y, D, base(a.y_stride) + i * a.y_stride, kSlice, true, f);
