@@ -319,8 +319,8 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   const int64_t col = int64_t(blockIdx.y) * a.group_size + int64_t(lane) * kSlice;
   const bool residual = kIn != kFwdAlone && a.residual != nullptr;
   const bool residual_out = kIn != kFwdAlone && a.residual_out != nullptr;
-  // Row r0 + i of a tensor of row stride `stride` starts at base(stride) + i * stride.
-  auto base = [&](int64_t stride) { return r0 * stride + col; };
+  // Where this lane's slice of row r0 + i starts in a tensor of row stride `stride`.
+  auto offset = [&](int64_t stride, int i) { return r0 * stride + col + i * stride; };
   const bool gate_first = kGate && !a.norm_before_gate;
   bool row_ok[R];
 #pragma unroll
@@ -333,11 +333,9 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
 #pragma unroll
     for (int e = 0; e < kSlice; ++e) xs[i][e] = 0.f, rs[i][e] = 0.f, zs[i][e] = 0.f;
     if (!row_ok[i]) continue;
-    fetch_slice(a.x, D, base(a.x_stride) + i * a.x_stride, kSlice, true, xs[i]);
-    if (residual)
-      fetch_slice(a.residual, S, base(a.residual_stride) + i * a.residual_stride, kSlice, true,
-                  rs[i]);
-    if (kGate) fetch_slice(a.z, D, base(a.z_stride) + i * a.z_stride, kSlice, true, zs[i]);
+    fetch_slice(a.x, D, offset(a.x_stride, i), kSlice, true, xs[i]);
+    if (residual) fetch_slice(a.residual, S, offset(a.residual_stride, i), kSlice, true, rs[i]);
+    if (kGate) fetch_slice(a.z, D, offset(a.z_stride, i), kSlice, true, zs[i]);
   }
   // s = x + residual in float32. The norm alone keeps x packed and widens it again in each pass
   // (half the registers), and so does a float32 stream beside 16-bit x; the others form s once
@@ -358,9 +356,9 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
       for (int e = 0; e < kSlice; ++e) f[e] += t[e];
     }
   };
+  constexpr bool kKeep = kIn != kFwdAlone && kDt == kRt;
   // With a gate, silu(z) is kept in float32 in u and vs holds the value normalised (s silu(z)
   // where the gate comes first): a sigmoid costs more than the registers.
-  constexpr bool kKeep = kIn != kFwdAlone && kDt == kRt;
   Slice vs[R], u[R];
   if constexpr (kIn != kFwdAlone) {
 #pragma unroll
@@ -368,8 +366,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
       Slice f;
       stream_value(i, f);
       if (residual_out && row_ok[i])
-        store_slice(a.residual_out, S, base(a.residual_out_stride) + i * a.residual_out_stride,
-                    kSlice, true, f);
+        store_slice(a.residual_out, S, offset(a.residual_out_stride, i), kSlice, true, f);
       if constexpr (kKeep) {
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) vs[i][e] = f[e];
@@ -467,7 +464,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
       f[e] = (kLayer ? f[e] - mean[i] : f[e]) * rstd[i] * w[e] + b[e];
       if (kGate && !gate_first) f[e] *= u[i][e];
     }
-    store_slice(a.y, D, base(a.y_stride) + i * a.y_stride, kSlice, true, f);
+    store_slice(a.y, D, offset(a.y_stride, i), kSlice, true, f);
   }
 }
 
