@@ -111,7 +111,8 @@ NORM_CASES = [
     # warp a row, 129 slices in 64 threads (one lane holding a third), an RMSNorm in 512 threads
     # every lane full; a LayerNorm's 8 slices a thread, 1030 slices in 160 threads (five warps,
     # 70 lanes holding 7), 768 in 96 (three warps, every lane 8). Past 2048 slices, clusters: an
-    # RMSNorm of two CTAs of 1281 and 1280 in 192 threads, 8 slices a thread; a LayerNorm there
+    # RMSNorm of two CTAs of 1281 and 1280 in 192 threads, 8 slices a thread, and of three of
+    # 1537 and 1535 in 224 on rows that fetch rows ahead into L2; a LayerNorm there
     # takes the ring forward (seven CTAs of 440 slices in 128 threads, the last 433).
     (4, 1024, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, None),
     (5, 1032, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
@@ -120,6 +121,7 @@ NORM_CASES = [
     (5, 8240, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (37, 24584, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (7, 20488, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
+    (60, 36872, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, None),
     # The ring forward of the norm alone: a LayerNorm of six CTAs of 854 slices, the last 851,
     # and of five of 512 in 128 threads, enough rows that every cluster walks its ring of stages
     # more than once.

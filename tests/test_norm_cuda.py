@@ -71,15 +71,16 @@ HELD_ROWS = (
 # 5120 (640 slices in 96 threads, 64 lanes holding 7, the others 6), 6144 (768 in 96, every lane
 # 8: three warps of equal counts), 8192 (every lane full), 8240 (1030 slices in 160 threads, 70
 # lanes holding 7: the moments of unequal counts) and 16384. Past 2048 slices the CTAs of a
-# cluster share an RMSNorm's row: two CTAs of 1280 slices, 8 a thread in 160 threads (20480).
-# The ring forward (norm_ring.cuh) takes a LayerNorm past 2048 slices and an RMSNorm past 4096
-# on clusters of CTAs of up to 1024 slices, from three CTAs as many as leave the fewest thread
-# slots idle: a LayerNorm of seven CTAs of 440 slices in 128 threads, the last 433 (24584
-# columns, fewer rows than clusters: unequal counts), and, with enough rows that each cluster
-# walks its ring of three stages several times, of five of 512 in 128 threads (20480), of five
-# of 461 in 128 (18432: unequal counts), of six CTAs of 854, the last 851 (40968), a
-# zero-centred RMSNorm of six full ones (49152), and of eight with a bias (65536; a LayerNorm
-# too, on three rows).
+# cluster share an RMSNorm's row: two CTAs of 1280 slices, 8 a thread in 160 threads (20480),
+# three of 1537, the last 1535, in 224 threads (193 lanes holding 7, the others 6; 36872), three
+# and four CTAs of 2048, 4 a thread in 512 threads (49152 zero-centred, 65536 with a bias), with
+# enough rows that the blocks fetch rows ahead into L2 and the last blocks do not.
+# The ring forward (norm_ring.cuh) takes a LayerNorm past 2048 slices on clusters of CTAs of up
+# to 1024 slices, from three CTAs as many as leave the fewest thread slots idle: seven CTAs of
+# 440 slices in 128 threads, the last 433 (24584 columns, fewer rows than clusters: unequal
+# counts), and, with enough rows that each cluster walks its ring of three stages several
+# times, of five of 512 in 128 threads (20480), of five of 461 in 128 (18432: unequal counts),
+# of six CTAs of 854, the last 851 (40968), and of eight (65536, on three rows).
 PLAIN_ROWS = (
     LAYER.replace(hidden=1024, lead=(3,)),
     LAYER.replace(hidden=1040, lead=(13,)),
@@ -96,6 +97,7 @@ PLAIN_ROWS = (
     LAYER.replace(hidden=20480, lead=(300,)),
     LAYER.replace(hidden=18432, lead=(300,)),
     LAYER.replace(hidden=40968, lead=(300,)),
+    BASE.replace(hidden=36872, lead=(300,)),
     BASE.replace(hidden=49152, zero_centered_weight=True, lead=(250,)),
     BASE.replace(hidden=65536, bias=True, lead=(300,)),
 )

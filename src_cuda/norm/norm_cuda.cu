@@ -382,8 +382,8 @@ int ring_fwd_plan(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
   const int cluster = ring_fwd_cluster(nslices, Dtype(d.rt));
   const bool residual = a.residual.present() || a.residual_out.present();
-  const bool alone = !a.z.present() && !residual && d.rt == d.dt &&
-                     nslices >= (a.layer_norm ? kRingLayerMinSlices : kRingFwdMinSlices);
+  const bool alone = a.layer_norm && !a.z.present() && !residual && d.rt == d.dt &&
+                     nslices >= kRingLayerMinSlices;
   const bool gated = a.z.present() && !a.layer_norm && d.rt == d.dt && !residual &&
                      nslices >= kRingGatedMinSlices;
   const bool f32_layer = a.layer_norm && Dtype(d.rt) == Dtype::F32;

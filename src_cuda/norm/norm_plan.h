@@ -153,8 +153,9 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int
                                  cudaStream_t stream);
 
 // The plain forward (norm_plain.cuh): whole rows of 16-bit x without a residual or a gate,
-// from 128 slices (1024 columns) up to kRingFwdMinSlices for an RMSNorm, kRingLayerMinSlices
-// for a LayerNorm (the ring forward takes longer ones where clusters run), weight given in
+// from 128 slices (1024 columns), for an RMSNorm at any width (kMaxCluster CTAs of
+// kPlainCtaSlices hold 131072 columns), for a LayerNorm up to kRingLayerMinSlices (the ring
+// forward takes longer ones where clusters run), weight given in
 // float32 or x's dtype, bias (if any) in the weight's. One block a row of p.threads threads up
 // to kPlainCtaSlices slices; past that the ceil(nslices / kPlainCtaSlices) CTAs of a cluster
 // share a row (p.cluster, p.cta_slices each; sm_90 and later, up to kMaxCluster), adding their
@@ -176,15 +177,25 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int
 // columns, 84 / 88 at 5120, 89 / 92 at 6144, 87 / 92 at 10240, 91 / 93 at 12288, level at 7168
 // and 14336; RMSNorm on clusters 91 / 95 at 20480 (two CTAs of 1280 slices in 160 threads), 92
 // / 94 at 24576, level elsewhere.
-// Past 1024 slices each block also fetches into L2 its share of the row one wave of blocks
-// ahead will take (a bulk prefetch): LayerNorm 83 / 86 at 12288 and 84 / 86 at 16384, RMSNorm
-// 92 / 95 at 16384, and in clusters 66-82 / 81-93 (RMSNorm, 20480 to 65536 columns); at 8192
-// columns it lost (91 / 87), and two waves ahead lost everywhere (67-77).
+// Past 1024 slices each block also fetches into L2 its share of a row ahead (a bulk prefetch):
+// a LayerNorm the row one wave of blocks ahead will take, an RMSNorm the row kPlainAheadBytes of
+// x ahead (at most a wave). One H200, % of copy, none / a wave ahead: LayerNorm 83 / 86 at
+// 12288 and 84 / 86 at 16384, RMSNorm 92 / 95 at 16384, and in clusters 66-82 / 81-93 (RMSNorm,
+// 20480 to 65536 columns); at 8192 columns it lost (91 / 87), and two waves ahead lost
+// everywhere (67-77). On one H100 (direct timing, three runs; benchmarks/NOTES.md) a wave ahead
+// (8-12 MB of x) lost the RMSNorm up to 21 points against none, and 2-6 MB ahead ran best:
+// RMSNorm none / a wave / 4 MB 94.5 / 78.0 / 99.2 at 28672 columns, 98.9 / 95.4 / 99.4 at
+// 16384, 97.2 / 91.0 / 98.2 at 14336, and 98.4-99.3 (4 MB) against 87.9-91.8 (the ring forward
+// that took them) from 36864 to 65536; 7-9 MB lost 3-11 points. The LayerNorm, whose wide CTAs
+// stream x and y past the caches, stayed within a point at none, half a wave or a wave ahead.
+// A distance in bytes holds the prefetched rows while they can still be in L2 at any width;
+// the H200's wave (8-12 MB) is 2-3 times 4 MB and was not measured against it.
 // The clusters against the forward that took those rows before (held clusters, or one plain
 // held CTA of 1024 threads for an RMSNorm): LayerNorm 45-57 / 60-77 from 20480 to 65536 columns,
 // RMSNorm 63-76 / 85-92. A LayerNorm's CTAs still lose a fifth of the speed one CTA of the same
 // shape reaches (77 at 32768 columns, 93 at 16384); CTAs of 1024 slices did no better (69-74).
 constexpr int kPlainNarrowThreads = 256, kPlainCtaSlices = 2048;
+constexpr int64_t kPlainAheadBytes = int64_t(4) << 20;
 inline int plain_slices(bool layer_norm, int share) {
   if (share < 512 || (!layer_norm && (share & (share - 1)) == 0)) return 4;
   return 8;
@@ -232,8 +243,9 @@ constexpr int kRingMinSlices = 2 * kNormMaxThreads + 1, kRingAloneMinSlices = 51
 template <int kDt, int kRt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
-// The ring forward (norm_ring.cuh): whole rows of 16-bit x in one group, alone, gated (an RMSNorm
-// without a residual) or beside a residual (its stream in x's dtype or float32, no gate), in
+// The ring forward (norm_ring.cuh): whole rows of 16-bit x in one group, a LayerNorm alone, gated
+// (an RMSNorm without a residual) or beside a residual (its stream in x's dtype or float32, no
+// gate), in
 // persistent clusters of at least ceil(nslices / kRingFwdCtaSlices) CTAs (one up to 8192 columns;
 // ring_fwd_cluster, below), ring_slices(stream dtype) slices a thread, x and the second operand
 // copied by the bulk-copy engine into kRingFwdStages stages (ring_fwd_bytes: 96 KB a 1024-slice CTA
@@ -244,9 +256,9 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 // - the norm alone, a LayerNorm from kRingLayerMinSlices (the plain forward's clusters below
 //   4097 slices, a ring forward holding x in registers from there, which ran RMSNorm at 90-92):
 //   68 / 72 at 20480 columns, 72 / 83 at 24576, 78 / 86 at 32768, 75 / 81 at 40960 and 49152,
-//   78 / 82 at 65536; it lost below (93 / 91 at 16384, 86 / 69 at 10240, 84 / 70 at 5120). An
-//   RMSNorm from kRingFwdMinSlices (91-93); the plain forward's clusters stay ahead from 20480
-//   to 32768 columns (91-92 / 87-92) and one plain CTA below (96-98 / 87-92).
+//   78 / 82 at 65536; it lost below (93 / 91 at 16384, 86 / 69 at 10240, 84 / 70 at 5120). The
+//   RMSNorm alone took it from kRingFwdMinSlices (91-93 on the H200, 88-92 on one H100) until
+//   the plain forward's clusters, their prefetch 4 MB ahead, ran those rows at 98-99 (H100).
 // - the gate from kRingGatedMinSlices, against the staged forward: 85 / 94 at 5120 columns, 91
 //   / 93 at 6144, 79 / 96 at 10240, 83 / 93-94 at 12288, 88 / 92 at 16384, 61 / 86 at 20480,
 //   60-66 / 91-94 from 24576 to 65536. The staged forward stays ahead at 4096 (97 / 93) and

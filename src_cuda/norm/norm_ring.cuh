@@ -2,8 +2,8 @@
 // bulk-copy engine, each row's copies issued rows ahead by one thread a CTA, so no register holds
 // them in flight; persistent CTAs (clusters) walk down the rows. The backward (dx, dweight,
 // dbias) of the norm alone past 512 slices or beside a float32 stream past 1024; the forward
-// (below, after the backward) of the norm alone, gated or beside a residual (norm_plan.h says from
-// which widths). The lean backward (norm_fast.cuh) keeps the next row in registers; with the
+// (below, after the backward) of a LayerNorm alone, of a gated RMSNorm or of either beside a
+// residual (norm_plan.h says from which widths). The lean backward (norm_fast.cuh) keeps the next row in registers; with the
 // dweight and dbias sums there too, its 128 registers a thread allow 512 threads an SM, 32 KB of
 // x and dy in flight an SM at 16384 columns, shared by the four CTAs of a cluster that meet every
 // row: 71% of copy (one H200, LayerNorm, bf16, direct timing). The ring backward issues each
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
 // shared by the p.cluster CTAs of a thread-block cluster (p.cta_slices each; sm_90 and later)
 // that add their sums through distributed shared memory, x and the second operand brought into
 // a ring of kRingFwdStages stages (one group; norm_plan.h). kOp (RingOp):
-// - kRingAlone: the norm of x (RMSNorm or LayerNorm, kLayer);
+// - kRingAlone: the LayerNorm of x (an RMSNorm alone takes the plain forward);
 // - kRingGateFirst: an RMSNorm of g = x silu(z), y = norm(g) w (+ b) (Mamba-2's RMSNormGated);
 // - kRingGateAfter: an RMSNorm of g = x, y = (norm(g) w (+ b)) silu(z);
 // - kRingResidual: g = x + residual, the stream s in kRt (kDt or float32), stored as
@@ -481,9 +481,9 @@ cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
   auto kernel = a.layer_norm ? norm_fwd_ring_kernel<kDt, kRt, kRingResidual, true, K>
                              : norm_fwd_ring_kernel<kDt, kRt, kRingResidual, false, K>;
   if constexpr (kDt == kRt) {
+    // The norm alone takes the ring forward as a LayerNorm only (ring_fwd_plan, norm_cuda.cu).
     if (!a.z.present() && !a.residual.present())
-      kernel = a.layer_norm ? norm_fwd_ring_kernel<kDt, kRt, kRingAlone, true, K>
-                            : norm_fwd_ring_kernel<kDt, kRt, kRingAlone, false, K>;
+      kernel = norm_fwd_ring_kernel<kDt, kRt, kRingAlone, true, K>;
     if (a.z.present())
       kernel = a.norm_before_gate ? norm_fwd_ring_kernel<kDt, kRt, kRingGateAfter, false, K>
                                   : norm_fwd_ring_kernel<kDt, kRt, kRingGateFirst, false, K>;
