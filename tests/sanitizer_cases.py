@@ -112,8 +112,8 @@ NORM_CASES = [
     # every lane full; a LayerNorm's 8 slices a thread, 1030 slices in 160 threads (five warps,
     # 70 lanes holding 7), 768 in 96 (three warps, every lane 8). Past 2048 slices, clusters: an
     # RMSNorm of two CTAs of 1281 and 1280 in 192 threads, 8 slices a thread, and of three of
-    # 1537 and 1535 in 224 on rows that fetch rows ahead into L2; a LayerNorm there
-    # takes the ring forward (seven CTAs of 440 slices in 128 threads, the last 433).
+    # 1537 and 1535 in 224 on rows that fetch rows ahead into L2; a LayerNorm's of 1537 and 1536
+    # in 224, and of 1280 in 160 on rows that fetch rows ahead.
     (4, 1024, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, None),
     (5, 1032, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (5, 6144, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
@@ -122,11 +122,12 @@ NORM_CASES = [
     (37, 24584, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (7, 20488, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
     (60, 36872, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, None),
-    # The ring forward of the norm alone: a LayerNorm of six CTAs of 854 slices, the last 851,
-    # and of five of 512 in 128 threads, enough rows that every cluster walks its ring of stages
-    # more than once.
-    (200, 40968, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (300, 20480, 0, "layer", torch.float16, torch.float32, False, True, 0, None),
+    # The ring forward of the norm alone: a LayerNorm of five CTAs of 922 slices in 256 threads,
+    # the last 921, and of six of 854, the last 851, enough rows that every cluster walks its
+    # ring of stages more than once.
+    (37, 36872, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
+    (200, 40968, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     # The ring backward (16-bit rows without a residual, from 1025 slices): a LayerNorm at 1537
     # slices (the last lanes' fourth slice idle), an RMSNorm at 1025, and past 2048 slices on
     # clusters a LayerNorm of seven CTAs of 439 slices in 128 threads (and of six of 854 in 224,

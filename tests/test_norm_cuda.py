@@ -74,13 +74,14 @@ HELD_ROWS = (
 # cluster share an RMSNorm's row: two CTAs of 1280 slices, 8 a thread in 160 threads (20480),
 # three of 1537, the last 1535, in 224 threads (193 lanes holding 7, the others 6; 36872), three
 # and four CTAs of 2048, 4 a thread in 512 threads (49152 zero-centred, 65536 with a bias), with
-# enough rows that the blocks fetch rows ahead into L2 and the last blocks do not.
-# The ring forward (norm_ring.cuh) takes a LayerNorm past 2048 slices on clusters of CTAs of up
-# to 1024 slices, from three CTAs as many as leave the fewest thread slots idle: seven CTAs of
-# 440 slices in 128 threads, the last 433 (24584 columns, fewer rows than clusters: unequal
+# enough rows that the blocks fetch rows ahead into L2 and the last blocks do not; a
+# LayerNorm's: two CTAs of 1152 slices, 8 a thread in 160 threads (18432), of 1280 (20480), of
+# 1537 and 1536 in 224 threads (24584).
+# The ring forward (norm_ring.cuh) takes a LayerNorm past 4096 slices on clusters of CTAs of up
+# to 1024 slices, from three CTAs as many as leave the fewest thread slots idle: five CTAs of
+# 922 slices in 256 threads, the last 921 (36872 columns, fewer rows than clusters: unequal
 # counts), and, with enough rows that each cluster walks its ring of three stages several
-# times, of five of 512 in 128 threads (20480), of five of 461 in 128 (18432: unequal counts),
-# of six CTAs of 854, the last 851 (40968), and of eight (65536, on three rows).
+# times, of six CTAs of 854, the last 851 (40968), and of eight (65536, on three rows).
 PLAIN_ROWS = (
     LAYER.replace(hidden=1024, lead=(3,)),
     LAYER.replace(hidden=1040, lead=(13,)),
@@ -92,6 +93,7 @@ PLAIN_ROWS = (
     LAYER.replace(hidden=8240, lead=(5,)),
     LAYER.replace(hidden=16384, lead=(3,)),
     LAYER.replace(hidden=24584, lead=(37,)),
+    LAYER.replace(hidden=36872, lead=(37,)),
     LAYER.replace(hidden=65536, lead=(3,)),
     BASE.replace(hidden=20480, lead=(5,)),
     LAYER.replace(hidden=20480, lead=(300,)),
@@ -265,12 +267,14 @@ def test_residual_ring_rows(case, dtype, stream, seed):
     forward_on_gpu_and_cpu(case, inputs, **extra)
 
 
-# The ring forward's LayerNorm merges its CTAs' moments (norm_ring.cuh) on rows whose variance a
-# float32 sum of squares around a poorly chosen centre would lose: one element in 8192 far from
-# the others, which are equal (the first of every CTA's share beside a float32 stream, eight CTAs
-# of 1024 slices; of the first CTA's without a residual, seven of 440), or every element far from
-# zero. At column 0 the far element is its thread's first and its warp's lane 0's.
-@pytest.mark.parametrize("case", (LAYER.replace(hidden=24584, lead=(300,)),
+# The ring forward's LayerNorm merges its CTAs' moments (norm_ring.cuh), and so do the plain
+# forward's clusters (norm_plain.cuh), on rows whose variance a float32 sum of squares around a
+# poorly chosen centre would lose: one element in 8192 far from the others, which are equal (the
+# first of every CTA's share beside a float32 stream, eight CTAs of 1024 slices; of the first
+# CTA's without a residual, five ring CTAs of 922, or two plain ones of 1537), or every element
+# far from zero. At column 0 the far element is its thread's first and its warp's lane 0's.
+@pytest.mark.parametrize("case", (LAYER.replace(hidden=36872, lead=(300,)),
+                                  LAYER.replace(hidden=24584, lead=(300,)),
                                   LAYER.replace(hidden=65536, residual=True, lead=(150,))),
                          ids=case_id)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)

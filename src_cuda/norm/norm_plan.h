@@ -256,7 +256,11 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 // - the norm alone, a LayerNorm from kRingLayerMinSlices (the plain forward's clusters below
 //   4097 slices, a ring forward holding x in registers from there, which ran RMSNorm at 90-92):
 //   68 / 72 at 20480 columns, 72 / 83 at 24576, 78 / 86 at 32768, 75 / 81 at 40960 and 49152,
-//   78 / 82 at 65536; it lost below (93 / 91 at 16384, 86 / 69 at 10240, 84 / 70 at 5120). The
+//   78 / 82 at 65536; it lost below (93 / 91 at 16384, 86 / 69 at 10240, 84 / 70 at 5120). It
+//   took the LayerNorm from 2049 slices until, on one H100 (direct timing, three runs), the
+//   plain forward's clusters ran 93.2-96.2 against its 87.0-90.0 from 18432 to 32768 columns;
+//   past that they ran 82.8-92.2 by width (against 86.0-90.3), no count of CTAs ahead at every
+//   width (benchmarks/NOTES.md). The
 //   RMSNorm alone took it from kRingFwdMinSlices (91-93 on the H200, 88-92 on one H100) until
 //   the plain forward's clusters, their prefetch 4 MB ahead, ran those rows at 98-99 (H100).
 // - the gate from kRingGatedMinSlices, against the staged forward: 85 / 94 at 5120 columns, 91
@@ -293,7 +297,7 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 // three runs), 88.3 / 96.2 at 45056, 88.7 / 96.4 at 49152, 96.3 / 96.8 at 57344, and level at
 // 40960 (95.3 / 95.3).
 constexpr int kRingFwdStages = 3, kRingFwdCtaSlices = 1024, kRingFwdMinSlices = 4097;
-constexpr int kRingLayerMinSlices = 2049, kRingGatedMinSlices = 513;
+constexpr int kRingLayerMinSlices = 4097, kRingGatedMinSlices = 513;
 constexpr int kRingStreamLayerMinSlices = 1281, kRingBalancedFrom = 3;
 constexpr int kRingStreamWideCtaSlices = 512, kRingStreamEightAfter = 5120;
 template <int kDt, int kRt>
