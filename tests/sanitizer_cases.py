@@ -123,9 +123,8 @@ NORM_CASES = [
     (7, 20488, 0, "rms", torch.float16, torch.float16, False, True, 0, None),
     (60, 36872, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, None),
     (300, 20480, 0, "layer", torch.float16, torch.float32, False, True, 0, None),
-    # The ring forward of the norm alone: a LayerNorm of five CTAs of 922 slices in 256 threads,
-    # the last 921, and of six of 854, the last 851, enough rows that every cluster walks its
-    # ring of stages more than once.
+    # Past 4096 slices a LayerNorm's CTAs of up to 1024: five of 922, the last 921, and six of
+    # 854, the last 851, in 128 threads, on rows that fetch rows ahead into L2.
     (37, 36872, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (200, 40968, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     # The ring backward (16-bit rows without a residual, from 1025 slices): a LayerNorm at 1537

@@ -76,12 +76,9 @@ HELD_ROWS = (
 # and four CTAs of 2048, 4 a thread in 512 threads (49152 zero-centred, 65536 with a bias), with
 # enough rows that the blocks fetch rows ahead into L2 and the last blocks do not; a
 # LayerNorm's: two CTAs of 1152 slices, 8 a thread in 160 threads (18432), of 1280 (20480), of
-# 1537 and 1536 in 224 threads (24584).
-# The ring forward (norm_ring.cuh) takes a LayerNorm past 4096 slices on clusters of CTAs of up
-# to 1024 slices, from three CTAs as many as leave the fewest thread slots idle: five CTAs of
-# 922 slices in 256 threads, the last 921 (36872 columns, fewer rows than clusters: unequal
-# counts), and, with enough rows that each cluster walks its ring of three stages several
-# times, of six CTAs of 854, the last 851 (40968), and of eight (65536, on three rows).
+# 1537 and 1536 in 224 threads (24584), and past 4096 slices CTAs of up to 1024 in 128 threads:
+# five of 922, the last 921 (36872 columns), six of 854, the last 851 (40968), eight full ones
+# (65536, on three rows).
 PLAIN_ROWS = (
     LAYER.replace(hidden=1024, lead=(3,)),
     LAYER.replace(hidden=1040, lead=(13,)),
@@ -270,9 +267,9 @@ def test_residual_ring_rows(case, dtype, stream, seed):
 # The ring forward's LayerNorm merges its CTAs' moments (norm_ring.cuh), and so do the plain
 # forward's clusters (norm_plain.cuh), on rows whose variance a float32 sum of squares around a
 # poorly chosen centre would lose: one element in 8192 far from the others, which are equal (the
-# first of every CTA's share beside a float32 stream, eight CTAs of 1024 slices; of the first
-# CTA's without a residual, five ring CTAs of 922, or two plain ones of 1537), or every element
-# far from zero. At column 0 the far element is its thread's first and its warp's lane 0's.
+# first of every CTA's share beside a float32 stream, eight ring CTAs of 1024 slices; of the
+# first CTA's without a residual, five plain ones of 922, or two of 1537), or every element far
+# from zero. At column 0 the far element is its thread's first and its warp's lane 0's.
 @pytest.mark.parametrize("case", (LAYER.replace(hidden=36872, lead=(300,)),
                                   LAYER.replace(hidden=24584, lead=(300,)),
                                   LAYER.replace(hidden=65536, residual=True, lead=(150,))),

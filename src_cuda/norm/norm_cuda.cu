@@ -364,7 +364,9 @@ int plain_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   if (dt == Dtype::F32 || d.rt != d.dt || a.residual.present() || a.residual_out.present() ||
       a.z.present() || a.ngroups != 1 || !weight_ok || nslices < 128)
     return 0;
-  const int cluster = int(ceil_div(nslices, kPlainCtaSlices));
+  const int per_cta =
+      a.layer_norm && nslices > 2 * kPlainCtaSlices ? kPlainLayerCtaSlices : kPlainCtaSlices;
+  const int cluster = int(ceil_div(nslices, per_cta));
   if (cluster > 1 && (cluster > kMaxCluster || !cluster_kernels_run(device))) return 0;
   if (a.rows > INT_MAX / cluster) return 0;
   const int K = plain_slices(a.layer_norm, int(ceil_div(nslices, cluster)));
@@ -382,14 +384,12 @@ int ring_fwd_plan(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
   const int cluster = ring_fwd_cluster(nslices, Dtype(d.rt));
   const bool residual = a.residual.present() || a.residual_out.present();
-  const bool alone = a.layer_norm && !a.z.present() && !residual && d.rt == d.dt &&
-                     nslices >= kRingLayerMinSlices;
   const bool gated = a.z.present() && !a.layer_norm && d.rt == d.dt && !residual &&
                      nslices >= kRingGatedMinSlices;
   const bool f32_layer = a.layer_norm && Dtype(d.rt) == Dtype::F32;
   const bool stream = !a.z.present() && a.residual.present() &&
                       nslices >= (f32_layer ? kRingStreamLayerMinSlices : kRingFwdMinSlices);
-  return (alone || gated || stream) && Dtype(d.dt) != Dtype::F32 && a.ngroups == 1 &&
+  return (gated || stream) && Dtype(d.dt) != Dtype::F32 && a.ngroups == 1 &&
                  cluster <= kMaxCluster && a.rows <= INT_MAX / cluster &&
                  cluster_kernels_run(device)
              ? cluster

@@ -152,14 +152,13 @@ template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int sms,
                                  cudaStream_t stream);
 
-// The plain forward (norm_plain.cuh): whole rows of 16-bit x without a residual or a gate,
-// from 128 slices (1024 columns), for an RMSNorm at any width (kMaxCluster CTAs of
-// kPlainCtaSlices hold 131072 columns), for a LayerNorm up to kRingLayerMinSlices (the ring
-// forward takes longer ones where clusters run), weight given in
-// float32 or x's dtype, bias (if any) in the weight's. One block a row of p.threads threads up
-// to kPlainCtaSlices slices; past that the ceil(nslices / kPlainCtaSlices) CTAs of a cluster
-// share a row (p.cluster, p.cta_slices each; sm_90 and later, up to kMaxCluster), adding their
-// statistics through distributed shared memory. `slices` a thread (the launcher's argument, as
+// The plain forward (norm_plain.cuh): whole rows of 16-bit x without a residual or a gate from
+// 128 slices (1024 columns), weight given in float32 or x's dtype, bias (if any) in the
+// weight's. One block a row of p.threads threads up to kPlainCtaSlices slices; past that the
+// ceil(nslices / kPlainCtaSlices) CTAs of a cluster share a row (p.cluster, p.cta_slices each;
+// sm_90 and later, up to kMaxCluster: 131072 columns), adding their statistics through
+// distributed shared memory; a LayerNorm past two of those, CTAs of up to kPlainLayerCtaSlices
+// (65536 columns on eight). `slices` a thread (the launcher's argument, as
 // for the held forward; plain_slices):
 // - 4 below 512 slices a CTA, and for an RMSNorm whose CTA share is a power of two (every lane
 //   of a power-of-two block full), in up to kPlainNarrowThreads threads four blocks an SM (64
@@ -178,23 +177,28 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int
 // and 14336; RMSNorm on clusters 91 / 95 at 20480 (two CTAs of 1280 slices in 160 threads), 92
 // / 94 at 24576, level elsewhere.
 // Past 1024 slices each block also fetches into L2 its share of a row ahead (a bulk prefetch):
-// a LayerNorm the row one wave of blocks ahead will take, an RMSNorm the row kPlainAheadBytes of
-// x ahead (at most a wave). One H200, % of copy, none / a wave ahead: LayerNorm 83 / 86 at
+// where the kernel streams x and y past the caches (a LayerNorm's wide blocks) the row one wave
+// of blocks ahead will take, else the row kPlainAheadBytes of x ahead (at most a wave). One
+// H200, % of copy, none / a wave ahead: LayerNorm 83 / 86 at
 // 12288 and 84 / 86 at 16384, RMSNorm 92 / 95 at 16384, and in clusters 66-82 / 81-93 (RMSNorm,
 // 20480 to 65536 columns); at 8192 columns it lost (91 / 87), and two waves ahead lost
 // everywhere (67-77). On one H100 (direct timing, three runs; benchmarks/NOTES.md) a wave ahead
 // (8-12 MB of x) lost the RMSNorm up to 21 points against none, and 2-6 MB ahead ran best:
 // RMSNorm none / a wave / 4 MB 94.5 / 78.0 / 99.2 at 28672 columns, 98.9 / 95.4 / 99.4 at
 // 16384, 97.2 / 91.0 / 98.2 at 14336, and 98.4-99.3 (4 MB) against 87.9-91.8 (the ring forward
-// that took them) from 36864 to 65536; 7-9 MB lost 3-11 points. The LayerNorm, whose wide CTAs
-// stream x and y past the caches, stayed within a point at none, half a wave or a wave ahead.
-// A distance in bytes holds the prefetched rows while they can still be in L2 at any width;
-// the H200's wave (8-12 MB) is 2-3 times 4 MB and was not measured against it.
+// that took them) from 36864 to 65536; 7-9 MB lost 3-11 points. The LayerNorm in wide blocks,
+// which streams x and y past the caches, stayed within a point at none, half a wave or a wave
+// ahead; its CTAs of 1024 slices (128 threads, not streaming) ran 71.5-85.3 a wave ahead and
+// 91.0-96.9 4 MB ahead. A distance in bytes holds the prefetched rows while they can still be in
+// L2 at any width; the H200's wave (8-12 MB) is 2-3 times 4 MB and was not measured against it.
 // The clusters against the forward that took those rows before (held clusters, or one plain
 // held CTA of 1024 threads for an RMSNorm): LayerNorm 45-57 / 60-77 from 20480 to 65536 columns,
-// RMSNorm 63-76 / 85-92. A LayerNorm's CTAs still lose a fifth of the speed one CTA of the same
-// shape reaches (77 at 32768 columns, 93 at 16384); CTAs of 1024 slices did no better (69-74).
-constexpr int kPlainNarrowThreads = 256, kPlainCtaSlices = 2048;
+// RMSNorm 63-76 / 85-92 (one H200, a wave ahead). One H100, 4 MB ahead (a wave for the streaming
+// CTAs), against the ring forward, which took the LayerNorm from 2049 slices and the RMSNorm from
+// 4097 (direct timing, three runs): LayerNorm 93.2-96.2 / 87.0-90.0 from 18432 to 32768 columns
+// (two CTAs of up to 2048 slices), 90.8-96.9 / 86.5-92.6 from 32776 to 65536 (CTAs of 1024;
+// those of 2048 ran 82.7-92.6 there); RMSNorm 98.4-99.3 / 87.9-91.8 from 36864 to 65536.
+constexpr int kPlainNarrowThreads = 256, kPlainCtaSlices = 2048, kPlainLayerCtaSlices = 1024;
 constexpr int64_t kPlainAheadBytes = int64_t(4) << 20;
 inline int plain_slices(bool layer_norm, int share) {
   if (share < 512 || (!layer_norm && (share & (share - 1)) == 0)) return 4;
@@ -243,9 +247,8 @@ constexpr int kRingMinSlices = 2 * kNormMaxThreads + 1, kRingAloneMinSlices = 51
 template <int kDt, int kRt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
-// The ring forward (norm_ring.cuh): whole rows of 16-bit x in one group, a LayerNorm alone, gated
-// (an RMSNorm without a residual) or beside a residual (its stream in x's dtype or float32, no
-// gate), in
+// The ring forward (norm_ring.cuh): whole rows of 16-bit x in one group, gated (an RMSNorm
+// without a residual) or beside a residual (its stream in x's dtype or float32, no gate), in
 // persistent clusters of at least ceil(nslices / kRingFwdCtaSlices) CTAs (one up to 8192 columns;
 // ring_fwd_cluster, below), ring_slices(stream dtype) slices a thread, x and the second operand
 // copied by the bulk-copy engine into kRingFwdStages stages (ring_fwd_bytes: 96 KB a 1024-slice CTA
@@ -253,16 +256,11 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 // slices a thread in 512 threads, one CTA an SM). Returns cudaErrorInvalidClusterSize, launching
 // nothing, when not one cluster fits on the device. One H200, bf16, % of copy, the forward that
 // took those rows before against this one:
-// - the norm alone, a LayerNorm from kRingLayerMinSlices (the plain forward's clusters below
-//   4097 slices, a ring forward holding x in registers from there, which ran RMSNorm at 90-92):
-//   68 / 72 at 20480 columns, 72 / 83 at 24576, 78 / 86 at 32768, 75 / 81 at 40960 and 49152,
-//   78 / 82 at 65536; it lost below (93 / 91 at 16384, 86 / 69 at 10240, 84 / 70 at 5120). It
-//   took the LayerNorm from 2049 slices until, on one H100 (direct timing, three runs), the
-//   plain forward's clusters ran 93.2-96.2 against its 87.0-90.0 from 18432 to 32768 columns;
-//   past that they ran 82.8-92.2 by width (against 86.0-90.3), no count of CTAs ahead at every
-//   width (benchmarks/NOTES.md). The
-//   RMSNorm alone took it from kRingFwdMinSlices (91-93 on the H200, 88-92 on one H100) until
-//   the plain forward's clusters, their prefetch 4 MB ahead, ran those rows at 98-99 (H100).
+// - the norm alone, which it took until the plain forward's clusters passed it on one H100
+//   (above): a LayerNorm from 2049 slices (68 / 72 at 20480 columns, 72 / 83 at 24576, 78 / 86
+//   at 32768, 75 / 81 at 40960 and 49152, 78 / 82 at 65536 against the plain forward's clusters
+//   a wave ahead below 4097 slices and a ring forward holding x in registers from there), an
+//   RMSNorm from 4097 (91-93).
 // - the gate from kRingGatedMinSlices, against the staged forward: 85 / 94 at 5120 columns, 91
 //   / 93 at 6144, 79 / 96 at 10240, 83 / 93-94 at 12288, 88 / 92 at 16384, 61 / 86 at 20480,
 //   60-66 / 91-94 from 24576 to 65536. The staged forward stays ahead at 4096 (97 / 93) and
@@ -297,7 +295,7 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 // three runs), 88.3 / 96.2 at 45056, 88.7 / 96.4 at 49152, 96.3 / 96.8 at 57344, and level at
 // 40960 (95.3 / 95.3).
 constexpr int kRingFwdStages = 3, kRingFwdCtaSlices = 1024, kRingFwdMinSlices = 4097;
-constexpr int kRingLayerMinSlices = 4097, kRingGatedMinSlices = 513;
+constexpr int kRingGatedMinSlices = 513;
 constexpr int kRingStreamLayerMinSlices = 1281, kRingBalancedFrom = 3;
 constexpr int kRingStreamWideCtaSlices = 512, kRingStreamEightAfter = 5120;
 template <int kDt, int kRt>
@@ -306,14 +304,14 @@ cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 // Bytes of one 8-column slice of dtype d.
 __host__ __device__ constexpr int slice_bytes(Dtype d) { return d == Dtype::F32 ? 32 : 16; }
 
-// Bytes of one stage of a ring whose stages hold two regions (x, then dy or the second operand;
-// `second` 0 for none) of these sizes. Each region starts up to 112 bytes late, so that it stands
+// Bytes of one stage of a ring whose stages hold two regions (x, then dy or the second operand)
+// of these sizes. Each region starts up to 112 bytes late, so that it stands
 // a set distance past a 128-byte line from where its rows do in global memory (ring_regions,
 // norm_ring.cuh): the ring kernels ran at 76-79% of copy where the two stood 48 or 80 bytes
 // apart, 83-93 elsewhere (one H200, bf16), and the stages had begun wherever the kernel's static
 // shared memory ended. A multiple of 128, so that every stage lines up as the first.
 __host__ __device__ constexpr unsigned ring_stage_bytes(unsigned first, unsigned second) {
-  return (first + 112u + (second > 0 ? second + 112u : 0u) + 127u) / 128u * 128u;
+  return (first + 112u + second + 112u + 127u) / 128u * 128u;
 }
 
 // The ring backward's slices a thread beside a stream of dtype r (kRingSlices for the norm
@@ -328,10 +326,11 @@ inline size_t ring_bytes(const NormPlan& p, Dtype r) {
                                         unsigned(p.cta_slices) * 16u);
 }
 
-inline size_t ring_fwd_bytes(const NormArgs& a, const NormPlan& p, Dtype r) {
-  const unsigned second = a.z.present() || a.residual.present() ? slice_bytes(r) : 0;
+// The ring forward's dynamic shared memory: the stages of p.cta_slices slices of x and of the
+// second operand (z, or the residual in the stream's dtype r).
+inline size_t ring_fwd_bytes(const NormPlan& p, Dtype r) {
   return kRingFwdStages * ring_stage_bytes(unsigned(p.cta_slices) * 16u,
-                                           unsigned(p.cta_slices) * second);
+                                           unsigned(p.cta_slices) * slice_bytes(r));
 }
 
 // Bytes the staged forward keeps of one slice: x (and z), then the residual.
