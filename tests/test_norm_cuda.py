@@ -67,7 +67,7 @@ HELD_ROWS = (
 # (test_plain_and_gated_ring_rows), in whole warps: 4 slices a thread below 512 slices, at 1024
 # columns (one warp) and 1040 (130 slices in 64 threads, two lanes holding a third), and for an
 # RMSNorm without a bias at 2056 (257 slices in 96 threads, three warps, 65 lanes holding a
-# third); a LayerNorm from 512 slices takes 8: a zero-centred one at 4096 columns (64 threads),
+# third) and at 4096 on enough rows that the blocks fetch rows 4 MB ahead into L2; a LayerNorm from 512 slices takes 8: a zero-centred one at 4096 columns (64 threads),
 # 5120 (640 slices in 96 threads, 64 lanes holding 7, the others 6), 6144 (768 in 96, every lane
 # 8: three warps of equal counts), 8192 (every lane full), 8240 (1030 slices in 160 threads, 70
 # lanes holding 7: the moments of unequal counts) and 16384. Past 2048 slices the CTAs of a
@@ -84,6 +84,7 @@ PLAIN_ROWS = (
     LAYER.replace(hidden=1040, lead=(13,)),
     LAYER.replace(hidden=4096, zero_centered_weight=True, lead=(6,)),
     BASE.replace(hidden=2056, lead=(5,)),
+    BASE.replace(hidden=4096, lead=(600,)),
     LAYER.replace(hidden=5120, lead=(7,)),
     LAYER.replace(hidden=6144, lead=(5,)),
     LAYER.replace(hidden=8192, lead=(4,)),

@@ -143,7 +143,7 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
   const bool cluster = p.cluster > 1;
   auto kernel = cluster ? plain_kernel<kDt, true>(a.layer_norm, slices, wide)
                         : plain_kernel<kDt, false>(a.layer_norm, slices, wide);
-  // Past 1024 slices a block fetches into L2 its share of the row one wave of blocks ahead where
+  // From 512 slices a block fetches into L2 its share of the row one wave of blocks ahead where
   // the kernel streams x and y past the caches (a LayerNorm's 8 slices in wide blocks, as
   // plain_kernel picks), else kPlainAheadBytes of x ahead, at most a wave (norm_plan.h).
   const int per_sm = slices == 8 ? (wide ? kPlainWide8 : kPlainNarrow8)
@@ -152,7 +152,7 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
   const bool streams = a.layer_norm && slices == 8 && wide;
   const int64_t row_bytes = int64_t(p.nslices) * 16;  // of x, 16-bit
   int ahead = 0;
-  if (p.nslices > 1024)
+  if (p.nslices >= 512)
     ahead = streams ? wave : int(std::clamp<int64_t>(kPlainAheadBytes / row_bytes, 1, wave));
   return cluster ? launch_rows<true>(kernel, a, p, sms, stream, 0, false, ahead)
                  : launch_rows<false>(kernel, a, p, sms, stream, 0, false, ahead);
