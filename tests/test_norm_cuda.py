@@ -66,19 +66,19 @@ HELD_ROWS = (
 # The plain forward (norm_plain.cuh) takes 16-bit rows without a residual or a gate
 # (test_plain_and_gated_ring_rows), in whole warps: 4 slices a thread below 512 slices, at 1024
 # columns (one warp) and 1040 (130 slices in 64 threads, two lanes holding a third), and for an
-# RMSNorm without a bias at 2056 (257 slices in 96 threads, three warps, 65 lanes holding a
-# third) and at 4096 on enough rows that the blocks fetch rows 4 MB ahead into L2; a LayerNorm from 512 slices takes 8: a zero-centred one at 4096 columns (64 threads),
-# 5120 (640 slices in 96 threads, 64 lanes holding 7, the others 6), 6144 (768 in 96, every lane
-# 8: three warps of equal counts), 8192 (every lane full), 8240 (1030 slices in 160 threads, 70
-# lanes holding 7: the moments of unequal counts) and 16384. Past 2048 slices the CTAs of a
-# cluster share an RMSNorm's row: two CTAs of 1280 slices, 8 a thread in 160 threads (20480),
-# three of 1537, the last 1535, in 224 threads (193 lanes holding 7, the others 6; 36872), three
-# and four CTAs of 2048, 4 a thread in 512 threads (49152 zero-centred, 65536 with a bias), with
-# enough rows that the blocks fetch rows ahead into L2 and the last blocks do not; a
-# LayerNorm's: two CTAs of 1152 slices, 8 a thread in 160 threads (18432), of 1280 (20480), of
-# 1537 and 1536 in 224 threads (24584), and past 4096 slices CTAs of up to 1024 in 128 threads:
-# five of 922, the last 921 (36872 columns), six of 854, the last 851 (40968), eight full ones
-# (65536, on three rows).
+# RMSNorm without a bias at 2056 (257 slices in 96 threads, three warps, 65 lanes holding a third)
+# and at 4096 on enough rows that the blocks fetch rows 4 MB ahead into L2; a LayerNorm from 512
+# slices takes 8: a zero-centred one at 4096 columns (64 threads), 5120 (640 slices in 96 threads,
+# 64 lanes holding 7, the others 6), 6144 (768 in 96, every lane 8: three warps of equal counts),
+# 8192 (every lane full), 8240 (1030 slices in 160 threads, 70 lanes holding 7: the moments of
+# unequal counts) and 16384. Past 2048 slices the CTAs of a cluster share an RMSNorm's row: two CTAs
+# of 1280 slices, 8 a thread in 160 threads (20480), three of 1537, the last 1535, in 224 threads
+# (193 lanes holding 7, the others 6; 36872), three and four CTAs of 2048, 4 a thread in 512 threads
+# (49152 zero-centred, 65536 with a bias), with enough rows that the blocks fetch rows ahead into L2
+# and the last blocks do not; a LayerNorm's: two CTAs of 1152 slices, 8 a thread in 160 threads
+# (18432), of 1280 (20480), of 1537 and 1536 in 224 threads (24584), and past 4096 slices CTAs of up
+# to 1024 in 128 threads: five of 922, the last 921 (36872 columns), six of 854, the last 851
+# (40968), eight full ones (65536, on three rows).
 PLAIN_ROWS = (
     LAYER.replace(hidden=1024, lead=(3,)),
     LAYER.replace(hidden=1040, lead=(13,)),

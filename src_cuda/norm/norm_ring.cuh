@@ -1,16 +1,16 @@
 // The ring kernels: whole rows of 16-bit x brought into a ring of shared-memory stages by the
 // bulk-copy engine, each row's copies issued rows ahead by one thread a CTA, so no register holds
-// them in flight; persistent CTAs (clusters) walk down the rows. The backward (dx, dweight,
-// dbias) of the norm alone past 512 slices or beside a float32 stream past 1024; the forward
-// (below, after the backward) of a gated RMSNorm, or of an RMSNorm or LayerNorm beside a
-// residual (norm_plan.h says from which widths). The lean backward (norm_fast.cuh) keeps the next row in registers; with the
-// dweight and dbias sums there too, its 128 registers a thread allow 512 threads an SM, 32 KB of
-// x and dy in flight an SM at 16384 columns, shared by the four CTAs of a cluster that meet every
-// row: 71% of copy (one H200, LayerNorm, bf16, direct timing). The ring backward issues each
-// row's copies two rows ahead (128 KB an SM at 16384 columns); a CTA holds whole rows up to
-// 16384 columns, so no cluster there: 84% (norm_plan.h). Past that the CTAs of a cluster share
-// a row, each with a ring of its share. Each thread reads its slices from the stage twice (the
-// sums, then the outputs after the row's reduction), so no register keeps them across it.
+// them in flight; persistent CTAs (clusters) walk down the rows. The backward (dx, dweight, dbias)
+// of the norm alone past 512 slices or beside a float32 stream past 1024; the forward (below, after
+// the backward) of a gated RMSNorm, or of an RMSNorm or LayerNorm beside a residual (norm_plan.h
+// says from which widths). The lean backward (norm_fast.cuh) keeps the next row in registers; with
+// the dweight and dbias sums there too, its 128 registers a thread allow 512 threads an SM, 32 KB
+// of x and dy in flight an SM at 16384 columns, shared by the four CTAs of a cluster that meet
+// every row: 71% of copy (one H200, LayerNorm, bf16, direct timing). The ring backward issues each
+// row's copies two rows ahead (128 KB an SM at 16384 columns); a CTA holds whole rows up to 16384
+// columns, so no cluster there: 84% (norm_plan.h). Past that the CTAs of a cluster share a row,
+// each with a ring of its share. Each thread reads its slices from the stage twice (the sums, then
+// the outputs after the row's reduction), so no register keeps them across it.
 //
 // Persistent: one CTA (cluster) a row block, rows b, b + row blocks, ...; the backward's dweight
 // and dbias sums are row b of p.partial (p.row_blocks row blocks). Included only by the
@@ -239,9 +239,10 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
   }
 }
 
-// The ring forward: y, mean and rstd of whole rows of 16-bit x with a second operand, shared by the p.cluster CTAs of a thread-block cluster (p.cta_slices each; sm_90 and later)
-// that add their sums through distributed shared memory, x and the second operand brought into
-// a ring of kRingFwdStages stages (one group; norm_plan.h). kOp (RingOp):
+// The ring forward: y, mean and rstd of whole rows of 16-bit x with a second operand, shared by the
+// p.cluster CTAs of a thread-block cluster (p.cta_slices each; sm_90 and later) that add their sums
+// through distributed shared memory, x and the second operand brought into a ring of kRingFwdStages
+// stages (one group; norm_plan.h). kOp (RingOp):
 // - kRingGateFirst: an RMSNorm of g = x silu(z), y = norm(g) w (+ b) (Mamba-2's RMSNormGated);
 // - kRingGateAfter: an RMSNorm of g = x, y = (norm(g) w (+ b)) silu(z);
 // - kRingResidual: g = x + residual, the stream s in kRt (kDt or float32), stored as
@@ -252,18 +253,17 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
 // one of the thread's own elements, so n (mean - c)^2 <= n m2 with n <= 32), segment_moments
 // combines the CTA's threads' and the CTAs combine theirs in one cluster round. One H200, bf16, %
 // of copy, against the CTA's mean and then its deviations (a second read of the stage, a second
-// round): the LayerNorm alone (which took the ring forward then) 83 / 87 at 24576 columns, 86 /
-// 89 at 32768, 81-82 / 85-86 at 40960 and 49152, 83 / 87 at 65536; beside a float32 stream level
-// at 40960 and 65536 (88-91), but 89 / 84 at 49152 (six CTAs of 1024 slices in 512 threads; not
-// understood). The same sums around the
-// first g of the
-// CTA's share ran as fast but lost ~1e-3 of the variance where that g stands far from the rest
-// (test_ring_layer_norm_moments). The first pass writes g back over its slice in float32 where it
-// is neither x nor derived from x alone (recomputing x silu(z) for y would cost two more
-// exponentials and reciprocals an element), over the second operand's 32 bytes when it is float32,
-// else over both operands' 16. The stage is refilled once the next row's reduction barrier has
-// passed. The scale and bias are held in registers for the whole walk (persistent clusters: cluster
-// c takes rows c, c + clusters, ...). K slices a thread.
+// round): the LayerNorm alone (which took the ring forward then) 83 / 87 at 24576 columns, 86 / 89
+// at 32768, 81-82 / 85-86 at 40960 and 49152, 83 / 87 at 65536; beside a float32 stream level at
+// 40960 and 65536 (88-91), but 89 / 84 at 49152 (six CTAs of 1024 slices in 512 threads; not
+// understood). The same sums around the first g of the CTA's share ran as fast but lost ~1e-3 of
+// the variance where that g stands far from the rest (test_ring_layer_norm_moments). The first pass
+// writes g back over its slice in float32 where it is neither x nor derived from x alone
+// (recomputing x silu(z) for y would cost two more exponentials and reciprocals an element), over
+// the second operand's 32 bytes when it is float32, else over both operands' 16. The stage is
+// refilled once the next row's reduction barrier has passed. The scale and bias are held in
+// registers for the whole walk (persistent clusters: cluster c takes rows c, c + clusters, ...). K
+// slices a thread.
 enum RingOp { kRingGateFirst = 1, kRingGateAfter = 2, kRingResidual = 3 };
 template <int kDt, int kRt, int kOp, bool kLayer, int K>
 __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
