@@ -109,12 +109,11 @@ NORM_CASES = [
     (33, 520, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     # The plain forward (16-bit rows without a residual), in whole warps: 4 slices a thread, one
     # warp a row, 129 slices in 64 threads (one lane holding a third), an RMSNorm in 512 threads
-    # every lane full (and in 128 on rows that fetch rows ahead); a LayerNorm's 8 slices a
-    # thread, 1030 slices in 160 threads (five warps, 70 lanes holding 7), 768 in 96 (three
-    # warps, every lane 8). Past 2048 slices, clusters: an
-    # RMSNorm of two CTAs of 1281 and 1280 in 192 threads, 8 slices a thread, and of three of
-    # 1537 and 1535 in 224 on rows that fetch rows ahead into L2; a LayerNorm's of 1537 and 1536
-    # in 224, and of 1280 in 160 on rows that fetch rows ahead.
+    # every lane full (and in 128 on rows that fetch rows ahead); a LayerNorm's 8 slices a thread,
+    # 1030 slices in 160 threads (five warps, 70 lanes holding 7), 768 in 96 (three warps, every
+    # lane 8). Past 2048 slices, clusters: an RMSNorm of two CTAs of 1281 and 1280 in 192 threads, 8
+    # slices a thread, and of three of 1537 and 1535 in 224 on rows that fetch rows ahead into L2; a
+    # LayerNorm's of 1537 and 1536 in 224, and of 1280 in 160 on rows that fetch rows ahead.
     (4, 1024, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, None),
     (5, 1032, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
     (5, 6144, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, None),
