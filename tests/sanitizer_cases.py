@@ -59,7 +59,8 @@ def run_scan_cases():
 # rows, hidden, group_size, kind, x dtype, weight dtype, z, norm_before_gate, pad, residual dtype
 # (None: no residual).
 # Aligned rows of one dtype, or 16-bit x beside a float32 residual stream without a gate, take
-# the lean kernels: the forward one slice a thread up to 256 columns; beyond, without a gate,
+# the lean kernels: the forward one slice a thread up to 256 columns (two up to 512 for 16-bit
+# rows beside a residual of their dtype); beyond, without a gate,
 # held in registers in one plain CTA where held_plan (norm_cuda.cu) says so (the block marked
 # below, and 8200 bf16: 4 slices a thread in 512 threads), staged otherwise (16384 half beside a
 # float32 stream, 6152 bf16); once a CTA's stage would pass 110 KB, held in registers without a
@@ -156,6 +157,10 @@ NORM_CASES = [
     (33, 200, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, torch.float32),
     (7, 256, 0, "rms", torch.float16, torch.float32, False, True, 0, None),
     (5, 256, 64, "rms", torch.float32, torch.float32, True, False, 0, torch.float32),
+    # Two slices a lane beside a residual of x's dtype: 49 slices (17 lanes holding a second), an
+    # odd row count; two groups of 64 slices.
+    (37, 392, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, torch.bfloat16),
+    (9, 1024, 512, "rms", torch.float16, torch.float32, False, True, 0, torch.float16),
     # The staged forward with a gate on groups of 33 slices (16 threads a segment).
     (9, 2112, 264, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.bfloat16),
     # The staged forward with a gate: one CTA a segment, a cluster of 8, one of 7 (float32).

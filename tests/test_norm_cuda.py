@@ -50,7 +50,7 @@ CLUSTER_ROWS = (
 # The plain held CTAs within one stage: 2 slices a thread in 512 threads, every lane full (8192
 # columns; float32 LayerNorm too); 2056 columns, 257 slices, so one lane holds a second slice
 # (16-bit, 256 threads) or a third (a float32 RMSNorm takes 4 a thread in 128 threads); 264, 33
-# slices in 32 threads; without a residual, 4 slices a thread at 8192 and 1032 columns (float32: 4
+# slices in 32 float32 threads (16-bit ones take the lean forward's two slices a lane); without a residual, 4 slices a thread at 8192 and 1032 columns (float32: 4
 # for the RMSNorm at 8192, 2 for the LayerNorm at 1032); 12296 columns beside a residual, 4 slices
 # a thread in 512 16-bit threads, the last ones idle; 6152, 769 slices, staged for a 16-bit
 # RMSNorm and 4 slices a thread in 256 float32 threads.
@@ -160,11 +160,17 @@ RESIDUAL_RING_ROWS = (
 # of 128 threads, a grid row a group): an odd row count, so the last lanes' second row is past
 # the end (257 rows of 256 columns, a warp a row); 25 slices in 32 lanes, 7 idle (200 columns);
 # four groups of 8 lanes (256 columns, groups of 64); one lane a row, 256 rows a block (8 columns).
+# Two slices a lane for 16-bit rows beside a residual (up to 64 slices): every lane full (512
+# columns, 37 rows), 49 slices, so 17 lanes hold a second (a LayerNorm at 392 columns), and two
+# groups of 64 slices (1024 columns); float32 rows there take the held forward.
 FAST_ROWS = (
     BASE.replace(hidden=256, lead=(257,), residual=True, prenorm=True),
     LAYER.replace(hidden=200, lead=(33,)),
     GATED.replace(hidden=256, group_size=64, lead=(129,)),
     BASE.replace(hidden=8, lead=(1001,), bias=True),
+    BASE.replace(hidden=512, lead=(37,), residual=True, prenorm=True),
+    LAYER.replace(hidden=392, lead=(9,), residual=True),
+    BASE.replace(hidden=1024, group_size=512, lead=(5,), residual=True, prenorm=True),
 )
 AWKWARD_ROWS = (CLUSTER_ROWS + HELD_ROWS + PLAIN_ROWS + RING_ROWS + GATED_RING_ROWS +
                 RESIDUAL_RING_ROWS + FAST_ROWS) + (

@@ -61,7 +61,7 @@ def main():
         tag = DTYPES[dt] if dt == rt else "%s_%s" % (DTYPES[dt], DTYPES[rt])
         rows = "%s rows" % DTYPES[dt] + ("" if dt == rt else ", a %s residual stream" % DTYPES[rt])
         write("norm_fwd_fast_%s.cu" % tag, "the lean fused-norm forward, %s." % rows,
-              ["template cudaError_t launch_norm_fwd_fast<%d, %d>(const NormArgs&, NormPlan&,"
+              ["template cudaError_t launch_norm_fwd_fast<%d, %d>(const NormArgs&, NormPlan&, int,"
                " cudaStream_t);" % (dt, rt)],
               header="norm_fast.cuh")
         write("norm_fwd_held_%s.cu" % tag, "the held fused-norm forward, %s." % rows,

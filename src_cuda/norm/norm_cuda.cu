@@ -294,6 +294,18 @@ bool one_stage_fits(const NormArgs& a, LeanDtypes d) {
          nslices * staged_slice_bytes(a, Dtype(d.dt), Dtype(d.rt)) <= kStageBudget;
 }
 
+// The lean forward's slices a lane (norm_plan.h) for a lean call, or 0 where it does not take it:
+// 1 up to kFastFwdSlices slices, 2 up to twice that for 16-bit rows beside a residual of their
+// dtype without a gate (the held forward's one warp a row before, plain_held_slices).
+int lean_fwd_slices(const NormArgs& a, LeanDtypes d) {
+  const int nslices = slices_of(a);
+  if (!d.ok) return 0;
+  if (nslices <= kFastFwdSlices) return 1;
+  const bool same16 = d.rt == d.dt && Dtype(d.dt) != Dtype::F32;
+  return same16 && a.residual.present() && !a.z.present() && nslices <= 2 * kFastFwdSlices ? 2
+                                                                                           : 0;
+}
+
 // The held forward's plan (norm_plan.h) for a lean call without a gate: the slices a thread
 // holds in a plain CTA, or 0 where it takes clusters (or, for a segment that one CTA's stage
 // holds, the staged forward). One H200, % of copy, direct timing, the staged forward or the
@@ -443,14 +455,15 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   const int dt = common_row_dtype(a);
   const LeanDtypes lean = fwd_lean_dtypes(a, can_vectorize(a));
   const int sms = std::max(1, multiprocessor_count(device));  // cached after the first call
-  NormPlan p = shape_plan(a, 1);
-  if (lean.ok && nslices <= kFastFwdSlices) {
+  const int lean_slices = lean_fwd_slices(a, lean);
+  NormPlan p = shape_plan(a, std::max(lean_slices, 1));
+  if (lean_slices > 0) {
     p.block = kFastFwdBlock;
     p.row_blocks = ceil_div(a.rows, int64_t(kFastFwdBlock / p.threads) * kFastFwdRows);
     if (p.row_blocks <= INT_MAX)
       return cuda_status(with_lean_dtypes(lean, [&](auto dt, auto rt) {
                            return launch_norm_fwd_fast<decltype(dt)::value,
-                                                       decltype(rt)::value>(a, p, s);
+                                                       decltype(rt)::value>(a, p, lean_slices, s);
                          }),
                          "norm_fwd launch");
   }

@@ -3,9 +3,10 @@
 // residual_in_fp32). The general kernels (norm_kernels.cuh) spend about 49 instructions an
 // element on their run-time options, re-checked slice by slice, and issue for 60% of the cycles
 // (ncu, 4096 bf16 columns), so they cannot reach the bandwidth. These decide the options at
-// compile time or once a row. The forward here takes short segments (up to 256 16-bit columns),
-// one slice a lane and two rows a lane at once, the weight loaded once for both; longer ones go
-// to the held, plain, ring or staged forwards. The backward keeps the weight in registers for the
+// compile time or once a row. The forward here takes short segments (up to 256 columns, or 512
+// 16-bit ones beside a residual of their dtype), one or two slices a lane and two rows a lane at
+// once, the weight loaded once for both; longer ones go to the held, plain, ring or staged
+// forwards. The backward keeps the weight in registers for the
 // whole walk down the rows (a thread's columns never change) and loads the next row while it
 // reduces and stores this one, 2 slices a thread in a CTA of up to 512
 // threads (8192 16-bit columns); longer segments, up to 65536 columns, are shared by the CTAs of
@@ -299,13 +300,14 @@ struct FastFwdArgs {
 // Four rows a lane in its own lost: 92.6 and 84.0 at 72 registers, 83.0 and 69.5 held to 64.
 enum FastFwdInputs { kFwdAlone, kFwdResidual, kFwdGated };
 
-// The lean forward, for segments of up to kFastFwdSlices slices (norm_plan.h): p.threads lanes a
-// segment (a power of two up to a warp), one slice a lane, each lane taking kFastFwdRows rows
-// at once, so their loads are in flight together, their reductions interleave and the scale is
-// loaded once for them. Blocks of kFastFwdBlock threads, one a (row group, group) pair: grid
-// (row groups, ngroups). kDt: x, y and z; kRt: residual and residual_out (kDt too, or float32
-// beside 16-bit x). kIn: the inputs beside x, a FastFwdInputs; kLayer: a LayerNorm.
-template <int kDt, int kRt, int kIn, bool kLayer>
+// The lean forward, for segments of up to K * kFastFwdSlices slices (norm_plan.h): p.threads
+// lanes a segment (a power of two up to a warp), K slices a lane (lane + k * p.threads), each
+// lane taking kFastFwdRows rows at once, so their loads are in flight together, their
+// reductions interleave and the scale is loaded once for them. Blocks of kFastFwdBlock threads,
+// one a (row group, group) pair: grid (row groups, ngroups). kDt: x, y and z; kRt: residual and
+// residual_out (kDt too, or float32 beside 16-bit x). kIn: the inputs beside x, a
+// FastFwdInputs; kLayer: a LayerNorm.
+template <int kDt, int kRt, int kIn, bool kLayer, int K>
 __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const FastFwdArgs a) {
   using namespace norm_detail;
   constexpr int R = kFastFwdRows;
@@ -315,27 +317,51 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   const int shift = __ffs(T) - 1;
   const int lane = threadIdx.x & (T - 1);
   const int64_t r0 = (int64_t(blockIdx.x) * (blockDim.x >> shift) + (threadIdx.x >> shift)) * R;
-  const bool valid = lane < a.nslices;
-  const int64_t col = int64_t(blockIdx.y) * a.group_size + int64_t(lane) * kSlice;
+  // The lane's slices lane + k T of the segment: whether each lies in it, and its first column.
+  bool valid[K];
+  int64_t col[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    valid[k] = lane + k * T < a.nslices;
+    col[k] = int64_t(blockIdx.y) * a.group_size + int64_t(lane + k * T) * kSlice;
+  }
   const bool residual = kIn != kFwdAlone && a.residual != nullptr;
   const bool residual_out = kIn != kFwdAlone && a.residual_out != nullptr;
-  // Where this lane's slice of row r0 + i starts in a tensor of row stride `stride`.
-  auto offset = [&](int64_t stride, int i) { return r0 * stride + col + i * stride; };
+  // Where slice k of row r0 + i starts in a tensor of row stride `stride`.
+  auto offset = [&](int64_t stride, int i, int k) { return r0 * stride + col[k] + i * stride; };
   const bool gate_first = kGate && !a.norm_before_gate;
   bool row_ok[R];
 #pragma unroll
-  for (int i = 0; i < R; ++i) row_ok[i] = valid && r0 + i < a.rows;
+  for (int i = 0; i < R; ++i) row_ok[i] = r0 + i < a.rows;
+  auto ok = [&](int i, int k) { return row_ok[i] && valid[k]; };
 
   // x, residual and z as loaded (16-bit ones packed): every load is issued before any is used.
-  Slice xs[R], rs[R], zs[R];
+  Slice xs[R][K], rs[R][K], zs[R][K];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
 #pragma unroll
-    for (int e = 0; e < kSlice; ++e) xs[i][e] = 0.f, rs[i][e] = 0.f, zs[i][e] = 0.f;
-    if (!row_ok[i]) continue;
-    fetch_slice(a.x, D, offset(a.x_stride, i), kSlice, true, xs[i]);
-    if (residual) fetch_slice(a.residual, S, offset(a.residual_stride, i), kSlice, true, rs[i]);
-    if (kGate) fetch_slice(a.z, D, offset(a.z_stride, i), kSlice, true, zs[i]);
+    for (int k = 0; k < K; ++k) {
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) xs[i][k][e] = 0.f, rs[i][k][e] = 0.f, zs[i][k][e] = 0.f;
+      if (!ok(i, k)) continue;
+      fetch_slice(a.x, D, offset(a.x_stride, i, k), kSlice, true, xs[i][k]);
+      if (residual)
+        fetch_slice(a.residual, S, offset(a.residual_stride, i, k), kSlice, true, rs[i][k]);
+      if (kGate) fetch_slice(a.z, D, offset(a.z_stride, i, k), kSlice, true, zs[i][k]);
+    }
+  }
+  // With a gate the weight and bias are fetched here, raw, so their latency overlaps the
+  // reductions: gated rows of 256 columns 80.7 -> 82.5-82.9% of copy (one H100, direct timing).
+  // Beside a residual alone it moved nothing (-0.5 to +0.1), and the norm alone lost 5-9 points.
+  constexpr bool kEarly = kIn == kFwdGated;
+  Slice we[K], be[K];
+  if constexpr (kEarly) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (!valid[k]) continue;
+      if (a.weight != nullptr) fetch_slice(a.weight, a.weight_dtype, col[k], kSlice, true, we[k]);
+      if (a.bias != nullptr) fetch_slice(a.bias, a.bias_dtype, col[k], kSlice, true, be[k]);
+    }
   }
   // s = x + residual in float32. The norm alone keeps x packed and widens it again in each pass
   // (half the registers), and so does a float32 stream beside 16-bit x; the others form s once
@@ -343,14 +369,14 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   // saves two widenings and an add. One H100, % of copy, widened in each pass / once: RMSNorm +
   // residual 81.5 / 82.1 at 256 columns and 106.0 / 108.5 at 128, gated 78.0 / 78.4 and 87.0 /
   // 92.8 (78 registers down to 64), LayerNorm beside a float32 stream 86.8 / 84.6 at 256.
-  auto stream_value = [&](int i, Slice& f) {
+  auto stream_value = [&](int i, int k, Slice& f) {
 #pragma unroll
-    for (int e = 0; e < kSlice; ++e) f[e] = xs[i][e];
+    for (int e = 0; e < kSlice; ++e) f[e] = xs[i][k][e];
     widen_slice(D, true, f);
     if (residual) {
       Slice t;
 #pragma unroll
-      for (int e = 0; e < kSlice; ++e) t[e] = rs[i][e];
+      for (int e = 0; e < kSlice; ++e) t[e] = rs[i][k][e];
       widen_slice(S, true, t);
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) f[e] += t[e];
@@ -359,52 +385,58 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   constexpr bool kKeep = kIn != kFwdAlone && kDt == kRt;
   // With a gate, silu(z) is kept in float32 in u and vs holds the value normalised (s silu(z)
   // where the gate comes first): a sigmoid costs more than the registers.
-  Slice vs[R], u[R];
+  Slice vs[R][K], u[R][K];
   if constexpr (kIn != kFwdAlone) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      Slice f;
-      stream_value(i, f);
-      if (residual_out && row_ok[i])
-        store_slice(a.residual_out, S, offset(a.residual_out_stride, i), kSlice, true, f);
-      if constexpr (kKeep) {
 #pragma unroll
-        for (int e = 0; e < kSlice; ++e) vs[i][e] = f[e];
-      }
-      if constexpr (kGate) {
+      for (int k = 0; k < K; ++k) {
+        Slice f;
+        stream_value(i, k, f);
+        if (residual_out && ok(i, k))
+          store_slice(a.residual_out, S, offset(a.residual_out_stride, i, k), kSlice, true, f);
+        if constexpr (kKeep) {
 #pragma unroll
-        for (int e = 0; e < kSlice; ++e) u[i][e] = zs[i][e];
-        widen_slice(D, true, u[i]);
+          for (int e = 0; e < kSlice; ++e) vs[i][k][e] = f[e];
+        }
+        if constexpr (kGate) {
 #pragma unroll
-        for (int e = 0; e < kSlice; ++e) {
-          u[i][e] = silu(u[i][e]);
-          if (gate_first) vs[i][e] *= u[i][e];
+          for (int e = 0; e < kSlice; ++e) u[i][k][e] = zs[i][k][e];
+          widen_slice(D, true, u[i][k]);
+#pragma unroll
+          for (int e = 0; e < kSlice; ++e) {
+            u[i][k][e] = silu(u[i][k][e]);
+            if (gate_first) vs[i][k][e] *= u[i][k][e];
+          }
         }
       }
     }
   }
-  auto value = [&](int i, Slice& f) {
+  auto value = [&](int i, int k, Slice& f) {
     if constexpr (!kKeep) {
-      stream_value(i, f);
+      stream_value(i, k, f);
     } else {
 #pragma unroll
-      for (int e = 0; e < kSlice; ++e) f[e] = vs[i][e];
+      for (int e = 0; e < kSlice; ++e) f[e] = vs[i][k][e];
     }
   };
-  // Each row's total over its segment of term(sum, v, row) folded over the lane's values v.
+  // Each row's total over its segment of term(sum, v, row, k) folded over the lane's values v.
   float sums[R];
   auto row_sums = [&](auto term) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      Slice f;
-      value(i, f);
       sums[i] = 0.f;
 #pragma unroll
-      for (int e = 0; e < kSlice; ++e) sums[i] = term(sums[i], f[e], i);
+      for (int k = 0; k < K; ++k) {
+        Slice f;
+        value(i, k, f);
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) sums[i] = term(sums[i], f[e], i, k);
+      }
     }
     segment_sum<R, 32>(sums, T, nullptr, true);
   };
-  row_sums([](float sum, float v, int) { return kLayer ? sum + v : fmaf(v, v, sum); });
+  row_sums([](float sum, float v, int, int) { return kLayer ? sum + v : fmaf(v, v, sum); });
   float mean[R], var[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
@@ -412,8 +444,8 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
     var[i] = sums[i] * a.inv_len;
   }
   if (kLayer) {
-    row_sums([&](float sum, float v, int i) {
-      return valid ? fmaf(v - mean[i], v - mean[i], sum) : sum;
+    row_sums([&](float sum, float v, int i, int k) {
+      return valid[k] ? fmaf(v - mean[i], v - mean[i], sum) : sum;
     });
 #pragma unroll
     for (int i = 0; i < R; ++i) var[i] = sums[i] * a.inv_len;
@@ -443,28 +475,52 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
 #pragma unroll
     for (int i = 0; i < R; ++i) store_stats(r0 + i, mean[i], rstd[i]);
   }
-  if (!valid) return;
+  if (!valid[0]) return;  // no slice of the segment (valid[0] false leaves every k false)
 
-  Slice w, b;
-  slice_scale(a.weight, a.weight_dtype, a.zero_centered_weight, true, col, w);
-  if (a.bias != nullptr) {
-    fetch_slice(a.bias, a.bias_dtype, col, kSlice, true, b);
-    widen_slice(a.bias_dtype, true, b);
-  } else {
 #pragma unroll
-    for (int e = 0; e < kSlice; ++e) b[e] = 0.f;
-  }
+  for (int k = 0; k < K; ++k) {
+    if (!valid[k]) continue;
+    Slice w, b;
+    if constexpr (kEarly) {
+      if (a.weight != nullptr) {
 #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    if (!row_ok[i]) continue;
-    Slice f;
-    value(i, f);
+        for (int e = 0; e < kSlice; ++e) w[e] = we[k][e];
+        widen_slice(a.weight_dtype, true, w);
+      } else {
 #pragma unroll
-    for (int e = 0; e < kSlice; ++e) {
-      f[e] = (kLayer ? f[e] - mean[i] : f[e]) * rstd[i] * w[e] + b[e];
-      if (kGate && !gate_first) f[e] *= u[i][e];
+        for (int e = 0; e < kSlice; ++e) w[e] = 1.f;
+      }
+      if (a.zero_centered_weight) {
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) w[e] += 1.f;
+      }
+    } else {
+      slice_scale(a.weight, a.weight_dtype, a.zero_centered_weight, true, col[k], w);
     }
-    store_slice(a.y, D, offset(a.y_stride, i), kSlice, true, f);
+    if (a.bias != nullptr) {
+      if constexpr (kEarly) {
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) b[e] = be[k][e];
+      } else {
+        fetch_slice(a.bias, a.bias_dtype, col[k], kSlice, true, b);
+      }
+      widen_slice(a.bias_dtype, true, b);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) b[e] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (!row_ok[i]) continue;
+      Slice f;
+      value(i, k, f);
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) {
+        f[e] = (kLayer ? f[e] - mean[i] : f[e]) * rstd[i] * w[e] + b[e];
+        if (kGate && !gate_first) f[e] *= u[i][k][e];
+      }
+      store_slice(a.y, D, offset(a.y_stride, i, k), kSlice, true, f);
+    }
   }
 }
 
@@ -743,17 +799,23 @@ cudaError_t launch_rows(void (*kernel)(NormArgs, NormPlan, Extra...), const Norm
 }
 
 template <int kDt, int kRt>
-cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, cudaStream_t stream) {
+cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices,
+                                 cudaStream_t stream) {
   const dim3 grid(unsigned(p.row_blocks), unsigned(a.ngroups));
-  auto kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, true>
-                             : norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, false>;
+  auto kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, true, 1>
+                             : norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, false, 1>;
   if constexpr (kDt == kRt) {
     if (a.z.present())
-      kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdGated, true>
-                            : norm_fwd_fast_kernel<kDt, kRt, kFwdGated, false>;
+      kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdGated, true, 1>
+                            : norm_fwd_fast_kernel<kDt, kRt, kFwdGated, false, 1>;
     else if (!a.residual.present() && !a.residual_out.present())
-      kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdAlone, true>
-                            : norm_fwd_fast_kernel<kDt, kRt, kFwdAlone, false>;
+      kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdAlone, true, 1>
+                            : norm_fwd_fast_kernel<kDt, kRt, kFwdAlone, false, 1>;
+    else if constexpr (Dtype(kDt) != Dtype::F32) {
+      if (slices == 2)
+        kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, true, 2>
+                              : norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, false, 2>;
+    }
   }
   kernel<<<grid, p.block, 0, stream>>>(FastFwdArgs(a, p));
   return cudaGetLastError();

@@ -114,6 +114,20 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     plain_row<D, D, kLayer, K, kMaxThreads, kStream, kCluster>(a, p, ahead, red, inbox[0]);
 }
 
+// A plain kernel and what its launcher needs to know of it: the blocks an SM it is bounded to
+// and whether it streams x and y.
+struct PlainKernel {
+  void (*kernel)(NormArgs, NormPlan, int);
+  int per_sm;
+  bool streams;
+};
+template <int kDt, bool kLayer, int K, int kMaxThreads, int kMinBlocks, bool kStream,
+          bool kCluster>
+constexpr PlainKernel plain_shape() {
+  return {norm_fwd_plain_kernel<kDt, kLayer, K, kMaxThreads, kMinBlocks, kStream, kCluster>,
+          kMinBlocks, kStream};
+}
+
 // The kernel of each shape (norm_plan.h): 8 slices a thread in up to 128 threads six blocks an
 // SM or 256 three, 4 in up to kPlainNarrowThreads four blocks an SM or kNormMaxThreads two. The
 // LayerNorm in 256 threads streams x and y: one H200, % of copy, direct timing, 79-87 -> 89.5 at
@@ -121,18 +135,18 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
 // 91.6 -> 89.
 constexpr int kPlainNarrow8 = 6, kPlainWide8 = 3, kPlainNarrow4 = 4, kPlainWide4 = 2;
 template <int kDt, bool kCluster>
-void (*plain_kernel(bool layer, int slices, bool wide))(NormArgs, NormPlan, int) {
+PlainKernel plain_kernel(bool layer, int slices, bool wide) {
   constexpr int N = kPlainNarrowThreads;
   if (slices == 8) {
     if (layer)
-      return wide ? norm_fwd_plain_kernel<kDt, true, 8, N, kPlainWide8, true, kCluster>
-                  : norm_fwd_plain_kernel<kDt, true, 8, N / 2, kPlainNarrow8, false, kCluster>;
-    return wide ? norm_fwd_plain_kernel<kDt, false, 8, N, kPlainWide8, false, kCluster>
-                : norm_fwd_plain_kernel<kDt, false, 8, N / 2, kPlainNarrow8, false, kCluster>;
+      return wide ? plain_shape<kDt, true, 8, N, kPlainWide8, true, kCluster>()
+                  : plain_shape<kDt, true, 8, N / 2, kPlainNarrow8, false, kCluster>();
+    return wide ? plain_shape<kDt, false, 8, N, kPlainWide8, false, kCluster>()
+                : plain_shape<kDt, false, 8, N / 2, kPlainNarrow8, false, kCluster>();
   }
-  if (layer) return norm_fwd_plain_kernel<kDt, true, 4, N, kPlainNarrow4, false, kCluster>;
-  return wide ? norm_fwd_plain_kernel<kDt, false, 4, kNormMaxThreads, kPlainWide4, false, kCluster>
-              : norm_fwd_plain_kernel<kDt, false, 4, N, kPlainNarrow4, false, kCluster>;
+  if (layer) return plain_shape<kDt, true, 4, N, kPlainNarrow4, false, kCluster>();
+  return wide ? plain_shape<kDt, false, 4, kNormMaxThreads, kPlainWide4, false, kCluster>()
+              : plain_shape<kDt, false, 4, N, kPlainNarrow4, false, kCluster>();
 }
 
 template <int kDt>
@@ -141,21 +155,18 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
   constexpr int N = kPlainNarrowThreads;
   const bool wide = slices == 8 ? p.threads > N / 2 : p.threads > N;
   const bool cluster = p.cluster > 1;
-  auto kernel = cluster ? plain_kernel<kDt, true>(a.layer_norm, slices, wide)
-                        : plain_kernel<kDt, false>(a.layer_norm, slices, wide);
+  const PlainKernel k = cluster ? plain_kernel<kDt, true>(a.layer_norm, slices, wide)
+                                : plain_kernel<kDt, false>(a.layer_norm, slices, wide);
   // From 512 slices a block fetches into L2 its share of the row one wave of blocks ahead where
-  // the kernel streams x and y past the caches (a LayerNorm's 8 slices in wide blocks, as
-  // plain_kernel picks), else kPlainAheadBytes of x ahead, at most a wave (norm_plan.h).
-  const int per_sm = slices == 8 ? (wide ? kPlainWide8 : kPlainNarrow8)
-                                 : (wide ? kPlainWide4 : kPlainNarrow4);
-  const int wave = sms * per_sm / p.cluster;
-  const bool streams = a.layer_norm && slices == 8 && wide;
+  // the kernel streams x and y past the caches, else kPlainAheadBytes of x ahead, at most a wave
+  // (norm_plan.h).
+  const int wave = sms * k.per_sm / p.cluster;
   const int64_t row_bytes = int64_t(p.nslices) * 16;  // of x, 16-bit
   int ahead = 0;
   if (p.nslices >= 512)
-    ahead = streams ? wave : int(std::clamp<int64_t>(kPlainAheadBytes / row_bytes, 1, wave));
-  return cluster ? launch_rows<true>(kernel, a, p, sms, stream, 0, false, ahead)
-                 : launch_rows<false>(kernel, a, p, sms, stream, 0, false, ahead);
+    ahead = k.streams ? wave : int(std::clamp<int64_t>(kPlainAheadBytes / row_bytes, 1, wave));
+  return cluster ? launch_rows<true>(k.kernel, a, p, sms, stream, 0, false, ahead)
+                 : launch_rows<false>(k.kernel, a, p, sms, stream, 0, false, ahead);
 }
 
 }  // namespace ssm

@@ -2,5 +2,5 @@
 #include "../norm_fast.cuh"
 
 namespace ssm {
-template cudaError_t launch_norm_fwd_fast<2, 2>(const NormArgs&, NormPlan&, cudaStream_t);
+template cudaError_t launch_norm_fwd_fast<2, 2>(const NormArgs&, NormPlan&, int, cudaStream_t);
 }  // namespace ssm
