@@ -58,18 +58,17 @@ def run_scan_cases():
 
 # rows, hidden, group_size, kind, x dtype, weight dtype, z, norm_before_gate, pad, residual dtype
 # (None: no residual).
-# Aligned rows of one dtype, or 16-bit x beside a float32 residual stream without a gate, take
-# the lean kernels: the forward one slice a thread up to 256 columns (two up to 512 for 16-bit
-# rows beside a residual of their dtype); beyond, without a gate,
-# held in registers in one plain CTA where held_plan (norm_cuda.cu) says so (the block marked
-# below, and 8200 bf16: 4 slices a thread in 512 threads), staged otherwise (16384 half beside a
-# float32 stream, 6152 bf16); once a CTA's stage would pass 110 KB, held in registers without a
-# gate, in one plain CTA for an RMSNorm of 16-bit rows beside a stream of their dtype (24584 and
-# 32768 below) and on clusters otherwise (24584 half: 2 CTAs, 40000 float32: 5, 65536 bf16: 4,
-# 32768 bf16 beside a float32 stream: 2) and staged on clusters with one (40000 bf16: 8, 14336
-# float32: 7); the backward on clusters past 8192 16-bit columns, or without a residual through
-# a ring of shared-memory stages (one CTA a row up to 16384 columns, a cluster past that).
-# Padded rows and other mixes take the general kernels.
+# Aligned rows of one dtype, or 16-bit x beside a float32 residual stream without a gate, take the
+# lean kernels: the forward one slice a thread up to 256 columns (two up to 512 for 16-bit rows
+# beside a residual of their dtype); beyond, without a gate, held in registers in one plain CTA
+# where held_plan (norm_cuda.cu) says so (the block marked below, and 8200 bf16: 4 slices a thread
+# in 512 threads), staged otherwise (16384 half beside a float32 stream, 6152 bf16); once a CTA's
+# stage would pass 110 KB, held in registers without a gate, in one plain CTA for an RMSNorm of
+# 16-bit rows beside a stream of their dtype (24584 and 32768 below) and on clusters otherwise
+# (24584 half: 2 CTAs, 40000 float32: 5, 65536 bf16: 4, 32768 bf16 beside a float32 stream: 2) and
+# staged on clusters with one (40000 bf16: 8, 14336 float32: 7); the backward on clusters past 8192
+# 16-bit columns, or without a residual through a ring of shared-memory stages (one CTA a row up to
+# 16384 columns, a cluster past that). Padded rows and other mixes take the general kernels.
 NORM_CASES = [
     (7, 1, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.float32),
     (33, 7, 1, "layer", torch.float16, torch.float16, True, True, 0, torch.float32),

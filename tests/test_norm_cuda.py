@@ -50,10 +50,11 @@ CLUSTER_ROWS = (
 # The plain held CTAs within one stage: 2 slices a thread in 512 threads, every lane full (8192
 # columns; float32 LayerNorm too); 2056 columns, 257 slices, so one lane holds a second slice
 # (16-bit, 256 threads) or a third (a float32 RMSNorm takes 4 a thread in 128 threads); 264, 33
-# slices in 32 float32 threads (16-bit ones take the lean forward's two slices a lane); without a residual, 4 slices a thread at 8192 and 1032 columns (float32: 4
-# for the RMSNorm at 8192, 2 for the LayerNorm at 1032); 12296 columns beside a residual, 4 slices
-# a thread in 512 16-bit threads, the last ones idle; 6152, 769 slices, staged for a 16-bit
-# RMSNorm and 4 slices a thread in 256 float32 threads.
+# slices in 32 float32 threads (16-bit ones take the lean forward's two slices a lane); without a
+# residual, 4 slices a thread at 8192 and 1032 columns (float32: 4 for the RMSNorm at 8192, 2 for
+# the LayerNorm at 1032); 12296 columns beside a residual, 4 slices a thread in 512 16-bit threads,
+# the last ones idle; 6152, 769 slices, staged for a 16-bit RMSNorm and 4 slices a thread in 256
+# float32 threads.
 HELD_ROWS = (
     LAYER.replace(hidden=8192, lead=(9,), residual=True, prenorm=True),
     BASE.replace(hidden=2056, lead=(5,), residual=True),
