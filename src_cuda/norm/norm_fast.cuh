@@ -1,20 +1,19 @@
-// The lean kernels for the calls most models make: every row-shaped operand 16-byte aligned, of
-// one dtype, or of two where the residual stream is kept in float32 beside 16-bit x (Mamba's
-// residual_in_fp32). The general kernels (norm_kernels.cuh) spend about 49 instructions an
-// element on their run-time options, re-checked slice by slice, and issue for 60% of the cycles
-// (ncu, 4096 bf16 columns), so they cannot reach the bandwidth. These decide the options at
-// compile time or once a row. The forward here takes short segments (up to 256 columns, or 512
-// 16-bit ones beside a residual of their dtype), one or two slices a lane and two rows a lane at
-// once, the weight loaded once for both; longer ones go to the held, plain, ring or staged
-// forwards. The backward keeps the weight in registers for the
-// whole walk down the rows (a thread's columns never change) and loads the next row while it
-// reduces and stores this one, 2 slices a thread in a CTA of up to 512
-// threads (8192 16-bit columns); longer segments, up to 65536 columns, are shared by the CTAs of
-// a thread-block cluster (kCluster, sm_90 and later; norm_plan.h) that add their partial sums
-// through distributed shared memory, so every row is still read from DRAM once (the norm alone
-// on 16-bit rows past 8192 columns takes the ring backward instead, norm_ring.cuh).
-// Both take the gate where every row-shaped operand has one dtype. Included only by the
-// instantiation files.
+// The lean kernels for the calls most models make: every row-shaped operand 16-byte aligned, of one
+// dtype, or of two where the residual stream is kept in float32 beside 16-bit x (Mamba's
+// residual_in_fp32). The general kernels (norm_kernels.cuh) spend about 49 instructions an element
+// on their run-time options, re-checked slice by slice, and issue for 60% of the cycles (ncu, 4096
+// bf16 columns), so they cannot reach the bandwidth. These decide the options at compile time or
+// once a row. The forward here takes short segments (up to 256 columns, or 512 16-bit ones beside a
+// residual of their dtype), one or two slices a lane and two rows a lane at once (four in the
+// prenorm RMSNorm's kernel), the weight loaded once for them; longer ones go to the held, plain,
+// ring or staged forwards. The backward keeps the weight in registers for the whole walk down the
+// rows (a thread's columns never change) and loads the next row while it reduces and stores this
+// one, 2 slices a thread in a CTA of up to 512 threads (8192 16-bit columns); longer segments, up
+// to 65536 columns, are shared by the CTAs of a thread-block cluster (kCluster, sm_90 and later;
+// norm_plan.h) that add their partial sums through distributed shared memory, so every row is still
+// read from DRAM once (the norm alone on 16-bit rows past 8192 columns takes the ring backward
+// instead, norm_ring.cuh). Both take the gate where every row-shaped operand has one dtype.
+// Included only by the instantiation files.
 #pragma once
 
 #include <algorithm>
@@ -292,29 +291,38 @@ struct FastFwdArgs {
         zero_centered_weight(a.zero_centered_weight), norm_before_gate(a.norm_before_gate) {}
 };
 
-// What a lean forward reads beside x: nothing (the norm alone, as torch.nn.RMSNorm and LayerNorm
-// call it: none of the residual's code, registers or branches), a residual where given, or a
-// gate z and a residual where given. One H100, % of copy, direct timing, bf16 rows of 256
-// columns, the norm alone in the residual's kernel / in its own: LayerNorm 78.4 / 87.2, RMSNorm
-// 92.4 / 95.0 (48 registers against 55; 4.49 M warp instructions against 5.80 M at 32768 rows).
-// Four rows a lane in its own lost: 92.6 and 84.0 at 72 registers, 83.0 and 69.5 held to 64.
-enum FastFwdInputs { kFwdAlone, kFwdResidual, kFwdGated };
-
+// Why each FastFwdInputs (norm_plan.h) has its own kernel: the norm alone (as torch.nn.RMSNorm and
+// LayerNorm call it) then has none of the residual's code, registers or branches, and the prenorm
+// RMSNorm none of the options a transformer or Mamba block's call leaves out. One H100, % of copy,
+// direct timing, bf16 rows of 256 columns, the norm alone in the residual's kernel / in its own:
+// LayerNorm 78.4 / 87.2, RMSNorm 92.4 / 95.0 (48 registers against 55; 4.49 M warp instructions
+// against 5.80 M at 32768 rows). Four rows a lane in its own lost: 92.6 and 84.0 at 72
+// registers, 83.0 and 69.5 held to 64. RMSNorm + residual (bf16, float32 weight) in the
+// residual's kernel / the prenorm one: 82.3-82.4 / 84.7 at 256 columns, 86.3 / 87.6-87.7 at 384,
+// 90.3-90.6 / 91.4 at 512 (torch.compile 86.9, 88.7, 91.6), with a bf16 weight 81.1-81.8 /
+// 83.0-83.4 at 256; one H200: 76.7-77.4 / 77.8-78.0, 80.7-80.8 / 82.2-82.3, 84.2-84.3 /
+// 85.8-86.2 (compile 81.7, 85.5, 88.2). Its whole-warp segments alone, its weight's options
+// alone and both: 82.9-83.3, 83.8-84.3 and 84.6-84.7 at 256 columns (four rows a lane in each),
+// 90.9-91.1, 90.7 and 91.0-91.1 at 512.
+//
 // The lean forward, for segments of up to K * kFastFwdSlices slices (norm_plan.h): p.threads
 // lanes a segment (a power of two up to a warp), K slices a lane (lane + k * p.threads), each
-// lane taking kFastFwdRows rows at once, so their loads are in flight together, their
+// lane taking fast_fwd_rows rows at once, so their loads are in flight together, their
 // reductions interleave and the scale is loaded once for them. Blocks of kFastFwdBlock threads,
 // one a (row group, group) pair: grid (row groups, ngroups). kDt: x, y and z; kRt: residual and
 // residual_out (kDt too, or float32 beside 16-bit x). kIn: the inputs beside x, a
-// FastFwdInputs; kLayer: a LayerNorm.
-template <int kDt, int kRt, int kIn, bool kLayer, int K>
+// FastFwdInputs; kLayer: a LayerNorm; kWt: the weight's dtype in the prenorm kernel (-1
+// elsewhere: read at run time).
+template <int kDt, int kRt, int kIn, bool kLayer, int K, int kWt = -1>
 __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const FastFwdArgs a) {
   using namespace norm_detail;
-  constexpr int R = kFastFwdRows;
+  constexpr bool kPrenorm = kIn == kFwdPrenorm;
+  static_assert(!kPrenorm || (!kLayer && kWt >= 0), "the prenorm kernel is RMSNorm's");
+  constexpr int R = fast_fwd_rows(FastFwdInputs(kIn), K, kDt);
   constexpr Dtype D = Dtype(kDt), S = Dtype(kRt);
   constexpr bool kGate = kIn == kFwdGated;
-  const int T = a.threads;
-  const int shift = __ffs(T) - 1;
+  const int T = kPrenorm ? 32 : a.threads;
+  const int shift = kPrenorm ? 5 : __ffs(T) - 1;
   const int lane = threadIdx.x & (T - 1);
   const int64_t r0 = (int64_t(blockIdx.x) * (blockDim.x >> shift) + (threadIdx.x >> shift)) * R;
   // The lane's slices lane + k T of the segment: whether each lies in it, and its first column.
@@ -325,8 +333,8 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
     valid[k] = lane + k * T < a.nslices;
     col[k] = int64_t(blockIdx.y) * a.group_size + int64_t(lane + k * T) * kSlice;
   }
-  const bool residual = kIn != kFwdAlone && a.residual != nullptr;
-  const bool residual_out = kIn != kFwdAlone && a.residual_out != nullptr;
+  const bool residual = kPrenorm || (kIn != kFwdAlone && a.residual != nullptr);
+  const bool residual_out = kPrenorm || (kIn != kFwdAlone && a.residual_out != nullptr);
   // Where slice k of row r0 + i starts in a tensor of row stride `stride`.
   auto offset = [&](int64_t stride, int i, int k) { return r0 * stride + col[k] + i * stride; };
   const bool gate_first = kGate && !a.norm_before_gate;
@@ -460,7 +468,8 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   // without them, 32768 rows, direct timing; no difference under ncu): not yet explained.
   auto store_stats = [&](int64_t r, float m, float s) {
     if (r >= a.rows) return;
-    if (a.mean != nullptr) a.mean[r * a.mean_stride[0] + blockIdx.y * a.mean_stride[1]] = m;
+    if (kLayer && a.mean != nullptr)
+      a.mean[r * a.mean_stride[0] + blockIdx.y * a.mean_stride[1]] = m;
     if (a.rstd != nullptr) a.rstd[r * a.rstd_stride[0] + blockIdx.y * a.rstd_stride[1]] = s;
   };
   if (T >= R) {
@@ -495,9 +504,10 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
         for (int e = 0; e < kSlice; ++e) w[e] += 1.f;
       }
     } else {
-      slice_scale(a.weight, a.weight_dtype, a.zero_centered_weight, true, col[k], w);
+      slice_scale(a.weight, kWt >= 0 ? Dtype(kWt) : a.weight_dtype,
+                  !kPrenorm && a.zero_centered_weight, true, col[k], w);
     }
-    if (a.bias != nullptr) {
+    if (!kPrenorm && a.bias != nullptr) {
       if constexpr (kEarly) {
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) b[e] = be[k][e];
@@ -799,19 +809,30 @@ cudaError_t launch_rows(void (*kernel)(NormArgs, NormPlan, Extra...), const Norm
 }
 
 template <int kDt, int kRt>
-cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices,
+cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, FastFwdInputs inputs,
                                  cudaStream_t stream) {
   const dim3 grid(unsigned(p.row_blocks), unsigned(a.ngroups));
+  constexpr bool kTwoSlices = kDt == kRt && Dtype(kDt) != Dtype::F32;  // lean_fwd_slices' rule
   auto kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, true, 1>
                              : norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, false, 1>;
   if constexpr (kDt == kRt) {
-    if (a.z.present())
+    if (inputs == kFwdPrenorm) {
+      const bool own = a.weight.dtype != Dtype::F32;  // the weight in x's dtype (fast_fwd_inputs)
+      constexpr int F = int(Dtype::F32);
+      kernel = own ? norm_fwd_fast_kernel<kDt, kRt, kFwdPrenorm, false, 1, kDt>
+                   : norm_fwd_fast_kernel<kDt, kRt, kFwdPrenorm, false, 1, F>;
+      if constexpr (kTwoSlices) {
+        if (slices == 2)
+          kernel = own ? norm_fwd_fast_kernel<kDt, kRt, kFwdPrenorm, false, 2, kDt>
+                       : norm_fwd_fast_kernel<kDt, kRt, kFwdPrenorm, false, 2, F>;
+      }
+    } else if (inputs == kFwdGated)
       kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdGated, true, 1>
                             : norm_fwd_fast_kernel<kDt, kRt, kFwdGated, false, 1>;
-    else if (!a.residual.present() && !a.residual_out.present())
+    else if (inputs == kFwdAlone)
       kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdAlone, true, 1>
                             : norm_fwd_fast_kernel<kDt, kRt, kFwdAlone, false, 1>;
-    else if constexpr (Dtype(kDt) != Dtype::F32) {
+    else if constexpr (kTwoSlices) {
       if (slices == 2)
         kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, true, 2>
                               : norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, false, 2>;

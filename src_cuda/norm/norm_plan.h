@@ -51,9 +51,9 @@ cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 // stream (residual and residual_out forward; x, dresidual_out and dresidual backward), kDt too or
 // float32 beside 16-bit kDt. Both take a gate where kDt == kRt. The forward takes segments of up to
 // `slices` * kFastFwdSlices slices, `slices` (1, or 2 for 16-bit rows beside a residual of their
-// dtype) a lane and kFastFwdRows rows a lane at once, in blocks of kFastFwdBlock threads, not
-// persistent: p.row_blocks row groups of kFastFwdBlock / p.threads * kFastFwdRows rows. One H100, %
-// of copy, direct timing (GPU time only), bf16 rows of 256 columns, against the persistent kernel
+// dtype) a lane and fast_fwd_rows rows a lane at once, in blocks of kFastFwdBlock threads, not
+// persistent: p.row_blocks row groups of kFastFwdBlock / p.threads * fast_fwd_rows rows. One H100,
+// % of copy, direct timing (GPU time only), bf16 rows of 256 columns, against the persistent kernel
 // it replaced (one row a lane at a time, the next row's loads in flight, ~850 bytes of parameters):
 // the norm alone RMSNorm 86.8 / 95.8, LayerNorm 70.6 / 80.3, RMSNorm + residual 80.6 / 81.7, gated
 // 75.6 / 77.3. One row a lane ran at 84.4 / 70.5 / 79.9 / 78.3, four at 87.9 / 72.8 / 81.2 / 74.6
@@ -74,9 +74,24 @@ cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 // once with kCluster (without, the fused plan has sized it): the partial sums have p.row_blocks
 // rows. With kCluster it returns cudaErrorInvalidClusterSize, launching nothing, when not one
 // cluster of p.cluster CTAs fits on the device.
-constexpr int kFastFwdSlices = 32, kFastFwdRows = 2, kFastFwdBlock = 128;
+constexpr int kFastFwdSlices = 32, kFastFwdBlock = 128;
+// What a lean forward reads beside x, each in a kernel of its own (norm_fast.cuh says why):
+// nothing, a residual and/or residual_out, a gate z (and a residual where given), or the prenorm
+// call of RMSNorm: residual in and residual_out out, all of x's dtype, segments of a whole warp, a
+// weight of float32 or x's dtype, no bias, not zero-centred (fast_fwd_inputs in norm_cuda.cu
+// decides).
+enum FastFwdInputs { kFwdAlone, kFwdResidual, kFwdGated, kFwdPrenorm };
+// Rows a lane takes at once: four in the prenorm kernel for 16-bit rows at one slice a lane (60
+// registers), two elsewhere. One H100, % of copy, direct timing, RMSNorm + residual (bf16) at 256
+// columns, two rows / four: 83.2-83.7 / 84.6-85.5 (384 columns, two slices a lane: 87.4-88.0 /
+// 86.9-87.4); in the residual kernel four rows (72-80 registers) lost 0-1 point at 128-512
+// columns, and so did float32 rows in the prenorm kernel (79 registers): 84.7 / 82.5-83.0 at 256.
+__host__ __device__ constexpr int fast_fwd_rows(FastFwdInputs inputs, int slices, int dt) {
+  return inputs == kFwdPrenorm && slices == 1 && Dtype(dt) != Dtype::F32 ? 4 : 2;
+}
 template <int kDt, int kRt>
-cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, cudaStream_t stream);
+cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, FastFwdInputs inputs,
+                                 cudaStream_t stream);
 // The lean backward keeps kFastBwdSlices slices a thread, like the fused general one. Its
 // dynamic shared memory (bwd_stash_bytes) holds, per thread:
 // - with LayerNorm, a bias gradient or a gate, beside a stream of x's dtype

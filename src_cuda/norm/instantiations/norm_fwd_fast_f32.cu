@@ -2,5 +2,6 @@
 #include "../norm_fast.cuh"
 
 namespace ssm {
-template cudaError_t launch_norm_fwd_fast<0, 0>(const NormArgs&, NormPlan&, int, cudaStream_t);
+template cudaError_t launch_norm_fwd_fast<0, 0>(const NormArgs&, NormPlan&, int,
+                                                 FastFwdInputs, cudaStream_t);
 }  // namespace ssm
