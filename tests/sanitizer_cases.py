@@ -60,15 +60,16 @@ def run_scan_cases():
 # (None: no residual).
 # Aligned rows of one dtype, or 16-bit x beside a float32 residual stream without a gate, take the
 # lean kernels: the forward one slice a thread up to 256 columns (two up to 512 for 16-bit rows
-# beside a residual of their dtype); beyond, without a gate, held in registers in one plain CTA
-# where held_plan (norm_cuda.cu) says so (the block marked below, and 8200 bf16: 4 slices a thread
-# in 512 threads), staged otherwise (16384 half beside a float32 stream, 6152 bf16); once a CTA's
-# stage would pass 110 KB, held in registers without a gate, in one plain CTA for an RMSNorm of
-# 16-bit rows beside a stream of their dtype (24584 and 32768 below) and on clusters otherwise
-# (24584 half: 2 CTAs, 40000 float32: 5, 65536 bf16: 4, 32768 bf16 beside a float32 stream: 2) and
-# staged on clusters with one (40000 bf16: 8, 14336 float32: 7); the backward on clusters past 8192
-# 16-bit columns, or without a residual through a ring of shared-memory stages (one CTA a row up to
-# 16384 columns, a cluster past that). Padded rows and other mixes take the general kernels.
+# beside a residual of their dtype, four up to 1024 for the prenorm RMSNorm of those); beyond,
+# without a gate, held in registers in one plain CTA where held_plan (norm_cuda.cu) says so (the
+# block marked below, and 8200 bf16: 4 slices a thread in 512 threads), staged otherwise (16384 half
+# beside a float32 stream, 6152 bf16); once a CTA's stage would pass 110 KB, held in registers
+# without a gate, in one plain CTA for an RMSNorm of 16-bit rows beside a stream of their dtype
+# (24584 and 32768 below) and on clusters otherwise (24584 half: 2 CTAs, 40000 float32: 5, 65536
+# bf16: 4, 32768 bf16 beside a float32 stream: 2) and staged on clusters with one (40000 bf16: 8,
+# 14336 float32: 7); the backward on clusters past 8192 16-bit columns, or without a residual
+# through a ring of shared-memory stages (one CTA a row up to 16384 columns, a cluster past that).
+# Padded rows and other mixes take the general kernels.
 NORM_CASES = [
     (7, 1, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.float32),
     (33, 7, 1, "layer", torch.float16, torch.float16, True, True, 0, torch.float32),
@@ -95,7 +96,7 @@ NORM_CASES = [
     # beside a float32 stream and a float32 LayerNorm, every lane full; 257 slices, one lane
     # holding a second (16-bit) or a third (float32 RMSNorm, 4 a thread in 128 threads); 4
     # slices a thread without a residual, and in 512 16-bit threads at 1537 slices; 65 slices
-    # in 64 threads.
+    # in 64 threads (the LayerNorm at 520 columns below).
     (9, 8192, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
     (3, 8192, 0, "layer", torch.float32, torch.float32, False, True, 0, torch.float32),
     (5, 2056, 0, "rms", torch.float16, torch.float32, False, True, 0, torch.float16),
@@ -106,12 +107,16 @@ NORM_CASES = [
     # 192 threads (65 lanes holding 4 slices, the others 3).
     (800, 5128, 0, "layer", torch.float16, torch.float16, False, True, 0, None),
     (3, 12296, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, torch.bfloat16),
-    (33, 520, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
+    (33, 520, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     # The prenorm RMSNorm forward: 25 slices in a warp with a float32 weight, the last group of
-    # four rows short; two slices a lane; float32 rows; and the same call beside a float32
+    # four rows short; two slices a lane; four (125 slices, lanes 29-31 holding three; 65, lane 0
+    # holding a third; two groups of 128); float32 rows; and the same call beside a float32
     # stream, which the residual kernel takes.
     (45, 200, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     (21, 512, 0, "rms", torch.float16, torch.float16, False, True, 0, torch.float16),
+    (37, 1000, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
+    (19, 520, 0, "rms", torch.bfloat16, torch.bfloat16, False, True, 0, torch.bfloat16),
+    (7, 2048, 1024, "rms", torch.float16, torch.float16, False, True, 0, torch.float16),
     (13, 256, 0, "rms", torch.float32, torch.float32, False, True, 0, torch.float32),
     (19, 256, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
     # The plain forward (16-bit rows without a residual), in whole warps: 4 slices a thread, one

@@ -179,6 +179,11 @@ FAST_ROWS = (
     BASE.replace(hidden=256, lead=(45,), residual=True, prenorm=True, bias=True),
     BASE.replace(hidden=256, lead=(45,), residual=True, prenorm=True, zero_centered_weight=True),
     BASE.replace(hidden=256, lead=(45,), residual=True, prenorm=True, weight=False),
+    # The prenorm RMSNorm at four slices a lane, one row a lane: 125 slices (lanes 29-31 holding
+    # three), 65 (lane 0 holding a third, the others two) and two groups of 128 (every lane four).
+    BASE.replace(hidden=1000, lead=(37,), residual=True, prenorm=True),
+    BASE.replace(hidden=520, lead=(19,), residual=True, prenorm=True),
+    BASE.replace(hidden=2048, group_size=1024, lead=(7,), residual=True, prenorm=True),
 )
 AWKWARD_ROWS = (CLUSTER_ROWS + HELD_ROWS + PLAIN_ROWS + RING_ROWS + GATED_RING_ROWS +
                 RESIDUAL_RING_ROWS + FAST_ROWS) + (
@@ -403,6 +408,8 @@ MIXES = {
                                                lead=(45,)),
                                   BASE.replace(hidden=512, residual=True, prenorm=True,
                                                lead=(21,)),
+                                  BASE.replace(hidden=1000, residual=True, prenorm=True,
+                                               lead=(11,)),
                                   LAYER.replace(hidden=2048, residual=True, prenorm=True,
                                                 lead=(33,)),
                                   LAYER.replace(hidden=8192, residual=True, prenorm=True,

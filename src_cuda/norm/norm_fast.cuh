@@ -358,17 +358,23 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
       if (kGate) fetch_slice(a.z, D, offset(a.z_stride, i, k), kSlice, true, zs[i][k]);
     }
   }
-  // With a gate the weight and bias are fetched here, raw, so their latency overlaps the
-  // reductions: gated rows of 256 columns 80.7 -> 82.5-82.9% of copy (one H100, direct timing).
-  // Beside a residual alone it moved nothing (-0.5 to +0.1), and the norm alone lost 5-9 points.
-  constexpr bool kEarly = kIn == kFwdGated;
+  // With a gate, and in the prenorm kernel, the weight (and bias) are fetched here, raw, so their
+  // latency overlaps that of x instead of following the reductions. % of copy, direct timing:
+  // gated rows of 256 columns 80.7 -> 82.5-82.9 (one H100). RMSNorm + residual (bf16, float32
+  // weight) at four slices a lane, 1024 columns: 91.0-91.1 -> 92.5-92.6 on 32768 rows (one H200),
+  // 87.0 -> 96.1 on 2640 rows, whose bytes stay in L2 (one H100; level on 32768 there); at two,
+  // 512 columns: 84.3-84.4 -> 85.6-86.1 (H200), level on the H100; level at 256 on both. In the
+  // residual kernel it moved nothing (-0.9 to +0.7), and the norm alone lost 5-9 points.
+  constexpr bool kEarly = kIn == kFwdGated || kPrenorm;
+  const Dtype wt = kWt >= 0 ? Dtype(kWt) : a.weight_dtype;
   Slice we[K], be[K];
   if constexpr (kEarly) {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       if (!valid[k]) continue;
-      if (a.weight != nullptr) fetch_slice(a.weight, a.weight_dtype, col[k], kSlice, true, we[k]);
-      if (a.bias != nullptr) fetch_slice(a.bias, a.bias_dtype, col[k], kSlice, true, be[k]);
+      if (a.weight != nullptr) fetch_slice(a.weight, wt, col[k], kSlice, true, we[k]);
+      if (!kPrenorm && a.bias != nullptr)
+        fetch_slice(a.bias, a.bias_dtype, col[k], kSlice, true, be[k]);
     }
   }
   // s = x + residual in float32. The norm alone keeps x packed and widens it again in each pass
@@ -494,18 +500,17 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
       if (a.weight != nullptr) {
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) w[e] = we[k][e];
-        widen_slice(a.weight_dtype, true, w);
+        widen_slice(wt, true, w);
       } else {
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) w[e] = 1.f;
       }
-      if (a.zero_centered_weight) {
+      if (!kPrenorm && a.zero_centered_weight) {
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) w[e] += 1.f;
       }
     } else {
-      slice_scale(a.weight, kWt >= 0 ? Dtype(kWt) : a.weight_dtype,
-                  !kPrenorm && a.zero_centered_weight, true, col[k], w);
+      slice_scale(a.weight, wt, !kPrenorm && a.zero_centered_weight, true, col[k], w);
     }
     if (!kPrenorm && a.bias != nullptr) {
       if constexpr (kEarly) {
@@ -825,6 +830,9 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
         if (slices == 2)
           kernel = own ? norm_fwd_fast_kernel<kDt, kRt, kFwdPrenorm, false, 2, kDt>
                        : norm_fwd_fast_kernel<kDt, kRt, kFwdPrenorm, false, 2, F>;
+        if (slices == 4)
+          kernel = own ? norm_fwd_fast_kernel<kDt, kRt, kFwdPrenorm, false, 4, kDt>
+                       : norm_fwd_fast_kernel<kDt, kRt, kFwdPrenorm, false, 4, F>;
       }
     } else if (inputs == kFwdGated)
       kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdGated, true, 1>

@@ -50,30 +50,32 @@ cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 // The lean kernels (norm_fast.cuh). kDt: the dtype of x, y, z, dy and dx; kRt: that of the residual
 // stream (residual and residual_out forward; x, dresidual_out and dresidual backward), kDt too or
 // float32 beside 16-bit kDt. Both take a gate where kDt == kRt. The forward takes segments of up to
-// `slices` * kFastFwdSlices slices, `slices` (1, or 2 for 16-bit rows beside a residual of their
-// dtype) a lane and fast_fwd_rows rows a lane at once, in blocks of kFastFwdBlock threads, not
-// persistent: p.row_blocks row groups of kFastFwdBlock / p.threads * fast_fwd_rows rows. One H100,
-// % of copy, direct timing (GPU time only), bf16 rows of 256 columns, against the persistent kernel
-// it replaced (one row a lane at a time, the next row's loads in flight, ~850 bytes of parameters):
-// the norm alone RMSNorm 86.8 / 95.8, LayerNorm 70.6 / 80.3, RMSNorm + residual 80.6 / 81.7, gated
-// 75.6 / 77.3. One row a lane ran at 84.4 / 70.5 / 79.9 / 78.3, four at 87.9 / 72.8 / 81.2 / 74.6
-// (80-96 registers). More slices a lane instead of rows lost at every width to 1024 columns (rows
-// of 512 columns, two slices a lane: 79.0 against 80.1 for the held forward, RMSNorm alone) and so
-// did these kernels at 512 and 1024 columns against the held, plain and staged forwards. Two slices
-// a lane as well as two rows (`slices`, 70 registers) take 16-bit rows beside a residual of their
-// dtype up to 2 * kFastFwdSlices slices: one H100, direct timing, against the held forward's 2
-// slices a thread in one warp a row, RMSNorm of bf16 beside bf16, 85.2-86.0 / 86.5-86.8 at 384
-// columns, 88.9-89.9 / 90.2-90.6 at 512 (compile 91.3-92.0), LayerNorm 83.5 / 84.8 at 384, 87.9 /
-// 89.2 at 512 (compile 90.4). Four slices a lane, one row (as torch.compile's kernel at 1024
-// columns), did not beat it there: 95.1-95.6 / 95.1-95.3 at 1024, 93.4 / 93.1-93.6 at 768. Before
-// the GPU-time windows (one H200), against the staged forward: 72 / 64 at 256 columns (bf16 with a
-// bf16 residual), 81 / 82 at 512, 85 / 90 at 1024, 86 / 93 for gated groups of 1024. The backward
-// with kCluster shares a segment among the p.cluster CTAs of a thread-block cluster (sm_90 and
-// later), p.cta_slices slices each, that add their partial sums through distributed shared memory;
-// without it one CTA holds a segment. Its launcher lowers p.row_blocks to the clusters that run at
-// once with kCluster (without, the fused plan has sized it): the partial sums have p.row_blocks
-// rows. With kCluster it returns cudaErrorInvalidClusterSize, launching nothing, when not one
-// cluster of p.cluster CTAs fits on the device.
+// `slices` * kFastFwdSlices slices, `slices` (1; 2 for 16-bit rows beside a residual of their
+// dtype; 4 for the 16-bit prenorm call, lean_fwd_slices in norm_cuda.cu) a lane and fast_fwd_rows
+// rows a lane at once, in blocks of kFastFwdBlock threads, not persistent: p.row_blocks row groups
+// of kFastFwdBlock / p.threads * fast_fwd_rows rows. One H100, % of copy, direct timing (GPU time
+// only), bf16 rows of 256 columns, against the persistent kernel it replaced (one row a lane at a
+// time, the next row's loads in flight, ~850 bytes of parameters): the norm alone RMSNorm 86.8 /
+// 95.8, LayerNorm 70.6 / 80.3, RMSNorm + residual 80.6 / 81.7, gated 75.6 / 77.3. One row a lane
+// ran at 84.4 / 70.5 / 79.9 / 78.3, four at 87.9 / 72.8 / 81.2 / 74.6 (80-96 registers). More
+// slices a lane instead of rows lost at every width to 1024 columns (rows of 512 columns, two
+// slices a lane: 79.0 against 80.1 for the held forward, RMSNorm alone) and so did these kernels at
+// 512 and 1024 columns against the held, plain and staged forwards. Two slices a lane as well as
+// two rows (`slices`, 70 registers) take 16-bit rows beside a residual of their dtype up to 2 *
+// kFastFwdSlices slices: one H100, direct timing, against the held forward's 2 slices a thread in
+// one warp a row, RMSNorm of bf16 beside bf16, 85.2-86.0 / 86.5-86.8 at 384 columns, 88.9-89.9 /
+// 90.2-90.6 at 512 (compile 91.3-92.0), LayerNorm 83.5 / 84.8 at 384, 87.9 / 89.2 at 512 (compile
+// 90.4). Four slices a lane, one row (as torch.compile's kernel at 1024 columns), did not beat it
+// there in the residual kernel: 95.1-95.6 / 95.1-95.3 at 1024, 93.4 / 93.1-93.6 at 768; the prenorm
+// kernel, its weight fetched with x, takes them (lean_fwd_slices). Before the GPU-time windows (one
+// H200), against the staged forward: 72 / 64 at 256 columns (bf16 with a bf16 residual), 81 / 82 at
+// 512, 85 / 90 at 1024, 86 / 93 for gated groups of 1024. The backward with kCluster shares a
+// segment among the p.cluster CTAs of a thread-block cluster (sm_90 and later), p.cta_slices slices
+// each, that add their partial sums through distributed shared memory; without it one CTA holds a
+// segment. Its launcher lowers p.row_blocks to the clusters that run at once with kCluster
+// (without, the fused plan has sized it): the partial sums have p.row_blocks rows. With kCluster it
+// returns cudaErrorInvalidClusterSize, launching nothing, when not one cluster of p.cluster CTAs
+// fits on the device.
 constexpr int kFastFwdSlices = 32, kFastFwdBlock = 128;
 // What a lean forward reads beside x, each in a kernel of its own (norm_fast.cuh says why):
 // nothing, a residual and/or residual_out, a gate z (and a residual where given), or the prenorm
@@ -82,11 +84,14 @@ constexpr int kFastFwdSlices = 32, kFastFwdBlock = 128;
 // decides).
 enum FastFwdInputs { kFwdAlone, kFwdResidual, kFwdGated, kFwdPrenorm };
 // Rows a lane takes at once: four in the prenorm kernel for 16-bit rows at one slice a lane (60
-// registers), two elsewhere. One H100, % of copy, direct timing, RMSNorm + residual (bf16) at 256
-// columns, two rows / four: 83.2-83.7 / 84.6-85.5 (384 columns, two slices a lane: 87.4-88.0 /
-// 86.9-87.4); in the residual kernel four rows (72-80 registers) lost 0-1 point at 128-512
-// columns, and so did float32 rows in the prenorm kernel (79 registers): 84.7 / 82.5-83.0 at 256.
+// registers), one at four slices a lane, two elsewhere. One H100, % of copy, direct timing,
+// RMSNorm + residual (bf16) at 256 columns, two rows / four: 83.2-83.7 / 84.6-85.5 (384 columns,
+// two slices a lane: 87.4-88.0 / 86.9-87.4); in the residual kernel four rows (72-80 registers)
+// lost 0-1 point at 128-512 columns, and so did float32 rows in the prenorm kernel (79
+// registers): 84.7 / 82.5-83.0 at 256. At four slices a lane, one row / two (110 registers): one
+// H200, 1024 columns, 90.8-91.2 / 91.2-91.3, 640 87.8-88.8 / 86.7-88.3.
 __host__ __device__ constexpr int fast_fwd_rows(FastFwdInputs inputs, int slices, int dt) {
+  if (inputs == kFwdPrenorm && slices == 4) return 1;
   return inputs == kFwdPrenorm && slices == 1 && Dtype(dt) != Dtype::F32 ? 4 : 2;
 }
 template <int kDt, int kRt>
