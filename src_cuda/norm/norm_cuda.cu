@@ -310,9 +310,9 @@ bool prenorm_call(const NormArgs& a, LeanDtypes d) {
 // dtype without a gate (the held forward's one warp a row before, plain_held_slices), and 4 up to
 // four times that for the prenorm call in 16 bits (the held forward's two slices a thread in one
 // warp before). One H100, % of copy, direct timing, RMSNorm + residual (bf16, float32 weight) at
-// 1024 columns, held / lean: 95.2-95.4 / 95.8-96.4 (torch.compile 96.5-96.6), on 2640 rows, whose
-// bytes stay in L2, 85.3 / 95.3-96.1 (compile 88.0); one H200: 640 columns 86.0-86.2 / 87.8-88.8
-// (at 4 slices a lane before the weight was fetched early; compile 90.7), 768 89.2 / 90.3, 1024
+// 1024 columns, held / lean: 95.2-95.6 / 95.8-96.4 (torch.compile 96.5-96.6), on 2640 rows, whose
+// bytes stay in L2, 85.3-85.4 / 96.1 (compile 88.0); one H200: 640 columns 86.0-86.2 / 88.7-88.8
+// (the weight not yet fetched early; compile 90.7), 768 89.2-89.4 / 90.3 (92.7), at 1024 with it
 // 92.7-93.1 / 92.5-92.6 (compile 94.4-94.6).
 int lean_fwd_slices(const NormArgs& a, LeanDtypes d) {
   const int nslices = slices_of(a);

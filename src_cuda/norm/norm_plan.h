@@ -89,7 +89,7 @@ enum FastFwdInputs { kFwdAlone, kFwdResidual, kFwdGated, kFwdPrenorm };
 // two slices a lane: 87.4-88.0 / 86.9-87.4); in the residual kernel four rows (72-80 registers)
 // lost 0-1 point at 128-512 columns, and so did float32 rows in the prenorm kernel (79
 // registers): 84.7 / 82.5-83.0 at 256. At four slices a lane, one row / two (110 registers): one
-// H200, 1024 columns, 90.8-91.2 / 91.2-91.3, 640 87.8-88.8 / 86.7-88.3.
+// H200, 1024 columns, 91.1-91.2 / 91.2-91.3, 640 88.7-88.8 / 88.0-88.3.
 __host__ __device__ constexpr int fast_fwd_rows(FastFwdInputs inputs, int slices, int dt) {
   if (inputs == kFwdPrenorm && slices == 4) return 1;
   return inputs == kFwdPrenorm && slices == 1 && Dtype(dt) != Dtype::F32 ? 4 : 2;
