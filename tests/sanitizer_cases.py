@@ -119,6 +119,10 @@ NORM_CASES = [
     (7, 2048, 1024, "rms", torch.float16, torch.float16, False, True, 0, torch.float16),
     (13, 256, 0, "rms", torch.float32, torch.float32, False, True, 0, torch.float32),
     (19, 256, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
+    # The prenorm RMSNorm on rows past its prefetch distance (524 rows of 1000 bf16 columns; 256
+    # of two fp16 groups of 1024 on rows 2056 apart), its first rows fetching the last into L2.
+    (600, 1000, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
+    (300, 2048, 1024, "rms", torch.float16, torch.float16, False, True, 8, torch.float16),
     # The plain forward (16-bit rows without a residual), in whole warps: 4 slices a thread, one
     # warp a row, 129 slices in 64 threads (one lane holding a third), an RMSNorm in 512 threads
     # every lane full (and in 128 on rows that fetch rows ahead); a LayerNorm's 8 slices a thread,

@@ -184,6 +184,10 @@ FAST_ROWS = (
     BASE.replace(hidden=1000, lead=(37,), residual=True, prenorm=True),
     BASE.replace(hidden=520, lead=(19,), residual=True, prenorm=True),
     BASE.replace(hidden=2048, group_size=1024, lead=(7,), residual=True, prenorm=True),
+    # Rows past its prefetch distance (kPrenormAheadBytes, 1 MB of x: 524 rows of 1000 16-bit
+    # columns, 256 of two groups of 1024), so its first rows fetch the last ones into L2.
+    BASE.replace(hidden=1000, lead=(600,), residual=True, prenorm=True),
+    BASE.replace(hidden=2048, group_size=1024, lead=(300,), residual=True, prenorm=True),
 )
 AWKWARD_ROWS = (CLUSTER_ROWS + HELD_ROWS + PLAIN_ROWS + RING_ROWS + GATED_RING_ROWS +
                 RESIDUAL_RING_ROWS + FAST_ROWS) + (

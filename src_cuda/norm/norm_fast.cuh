@@ -273,6 +273,7 @@ struct FastFwdArgs {
   int64_t mean_stride[2], rstd_stride[2];
   int64_t rows, group_size;
   int nslices, threads;
+  int64_t ahead_rows;  // the prenorm kernel's prefetch distance (set by its launcher)
   float eps, inv_len;  // inv_len: 1 / group_size, so no thread converts and divides
   Dtype weight_dtype, bias_dtype;
   bool zero_centered_weight, norm_before_gate;
@@ -285,7 +286,7 @@ struct FastFwdArgs {
         y_stride(a.y.stride[0]), residual_out_stride(a.residual_out.stride[0]),
         mean_stride{a.mean.stride[0], a.mean.stride[1]},
         rstd_stride{a.rstd.stride[0], a.rstd.stride[1]}, rows(a.rows),
-        group_size(a.group_size), nslices(p.nslices), threads(p.threads), eps(a.eps),
+        group_size(a.group_size), nslices(p.nslices), threads(p.threads), ahead_rows(0), eps(a.eps),
         inv_len(1.f / float(a.group_size)),
         weight_dtype(a.weight.dtype), bias_dtype(a.bias.dtype),
         zero_centered_weight(a.zero_centered_weight), norm_before_gate(a.norm_before_gate) {}
@@ -365,6 +366,19 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   // 87.0 -> 96.1 on 2640 rows, whose bytes stay in L2 (one H100; level on 32768 there); at two,
   // 512 columns: 84.3-84.4 -> 85.6-86.1 (H200), level on the H100; level at 256 on both. In the
   // residual kernel it moved nothing (-0.9 to +0.7), and the norm alone lost 5-9 points.
+  // The prenorm kernel's lanes 0 to R - 1 fetch into L2 the group's share of x in rows
+  // a.ahead_rows past their own, lanes R to 2 R - 1 the residual's (kPrenormAheadBytes says why).
+  if constexpr (kPrenorm) {
+    const int64_t r = r0 + lane % R + a.ahead_rows;
+    if (lane < 2 * R && r < a.rows) {
+      const bool res = lane >= R;
+      const int bytes = slice_bytes(res ? S : D) / kSlice;
+      const int64_t at = r * (res ? a.residual_stride : a.x_stride) +
+                         int64_t(blockIdx.y) * a.group_size;
+      prefetch_l2_bulk(static_cast<const char*>(res ? a.residual : a.x) + at * bytes,
+                       unsigned(a.group_size * bytes));
+    }
+  }
   constexpr bool kEarly = kIn == kFwdGated || kPrenorm;
   const Dtype wt = kWt >= 0 ? Dtype(kWt) : a.weight_dtype;
   Slice we[K], be[K];
@@ -846,7 +860,12 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
                               : norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, false, 2>;
     }
   }
-  kernel<<<grid, p.block, 0, stream>>>(FastFwdArgs(a, p));
+  FastFwdArgs args(a, p);
+  if (inputs == kFwdPrenorm) {
+    const int64_t row_bytes = a.hidden * (slice_bytes(Dtype(kDt)) / kSlice);
+    args.ahead_rows = std::max<int64_t>(kPrenormAheadBytes / row_bytes, 1);
+  }
+  kernel<<<grid, p.block, 0, stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -94,6 +94,14 @@ __host__ __device__ constexpr int fast_fwd_rows(FastFwdInputs inputs, int slices
   if (inputs == kFwdPrenorm && slices == 4) return 1;
   return inputs == kFwdPrenorm && slices == 1 && Dtype(dt) != Dtype::F32 ? 4 : 2;
 }
+// The prenorm kernel fetches into L2 (a bulk prefetch a row share) the rows kPrenormAheadBytes of
+// x ahead of its own, so a block that starts later finds its x and residual there rather than
+// waiting a DRAM latency. One H100, % of copy, direct timing, RMSNorm + residual (bf16, float32
+// weight, 32768 rows), none / about 1 MB of x ahead: 84.0-84.3 / 85.4-85.7 at 256 columns,
+// 87.6 / 88.6-88.9 at 384, 90.8-90.9 / 92.1 at 512, 93.5 / 94.7-94.9 at 768, 95.5-95.9 / 96.7 at
+// 1024 (torch.compile 86.9-87.2, 87.3, 91.7, 94.7, 96.3-96.7). Farther lost: 4 MB 84.8 at 256,
+// 85.2 at 512 and 86.4 at 1024; 8 MB (about a wave of blocks) 79.2, 71.7 and 70.9.
+constexpr int64_t kPrenormAheadBytes = int64_t(1) << 20;
 template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, FastFwdInputs inputs,
                                  cudaStream_t stream);
