@@ -100,7 +100,9 @@ __host__ __device__ constexpr int fast_fwd_rows(FastFwdInputs inputs, int slices
 // weight, 32768 rows), none / about 1 MB of x ahead: 84.0-84.3 / 85.4-85.7 at 256 columns,
 // 87.6 / 88.6-88.9 at 384, 90.8-90.9 / 92.1 at 512, 93.5 / 94.7-94.9 at 768, 95.5-95.9 / 96.7 at
 // 1024 (torch.compile 86.9-87.2, 87.3, 91.7, 94.7, 96.3-96.7). Farther lost: 4 MB 84.8 at 256,
-// 85.2 at 512 and 86.4 at 1024; 8 MB (about a wave of blocks) 79.2, 71.7 and 70.9.
+// 85.2 at 512 and 86.4 at 1024; 8 MB (about a wave of blocks) 79.2, 71.7 and 70.9. The other
+// lean kernels lost with it, up to 6 points at 256 columns (the norm alone, gated), whose inputs
+// stay in L2 between calls there: it stays the prenorm kernel's.
 constexpr int64_t kPrenormAheadBytes = int64_t(1) << 20;
 template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, FastFwdInputs inputs,
