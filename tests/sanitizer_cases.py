@@ -108,6 +108,11 @@ NORM_CASES = [
     (800, 5128, 0, "layer", torch.float16, torch.float16, False, True, 0, None),
     (3, 12296, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, torch.bfloat16),
     (33, 520, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
+    # The lean forward at two and four slices a lane: the norm alone at 49 slices on an odd row
+    # count and at 97 on rows 8 columns apart; a LayerNorm beside a float32 stream at 125.
+    (37, 392, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, None),
+    (11, 776, 0, "layer", torch.float16, torch.float16, False, True, 8, None),
+    (9, 1000, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
     # The prenorm RMSNorm forward: 25 slices in a warp with a float32 weight, the last group of
     # four rows short; two slices a lane; four (125 slices, lanes 29-31 holding three; 65, lane 0
     # holding a third; two groups of 128); float32 rows; and the same call beside a float32

@@ -161,9 +161,12 @@ RESIDUAL_RING_ROWS = (
 # of 128 threads, a grid row a group): an odd row count, so the last lanes' second row is past
 # the end (257 rows of 256 columns, a warp a row); 25 slices in 32 lanes, 7 idle (200 columns);
 # four groups of 8 lanes (256 columns, groups of 64); one lane a row, 256 rows a block (8 columns).
-# Two slices a lane for 16-bit rows beside a residual (up to 64 slices): every lane full (512
+# Two slices a lane for 16-bit rows without a gate (up to 64 slices): every lane full (512
 # columns, 37 rows), 49 slices, so 17 lanes hold a second (a LayerNorm at 392 columns), and two
-# groups of 64 slices (1024 columns); float32 rows there take the held forward.
+# groups of 64 slices (1024 columns); float32 rows there take the held forward. The norm alone at
+# two and four slices a lane (below the plain forward's 128 slices): 49 slices on an odd row
+# count, 64 (every lane two), 97 (lane 0 holding four, the others three), 127 with a zero-centred
+# weight (lane 31 holding three) and two groups of 80.
 FAST_ROWS = (
     BASE.replace(hidden=256, lead=(257,), residual=True, prenorm=True),
     LAYER.replace(hidden=200, lead=(33,)),
@@ -172,6 +175,11 @@ FAST_ROWS = (
     BASE.replace(hidden=512, lead=(37,), residual=True, prenorm=True),
     LAYER.replace(hidden=392, lead=(9,), residual=True),
     BASE.replace(hidden=1024, group_size=512, lead=(5,), residual=True, prenorm=True),
+    BASE.replace(hidden=392, lead=(37,)),
+    LAYER.replace(hidden=512, lead=(9,)),
+    LAYER.replace(hidden=776, lead=(11,)),
+    BASE.replace(hidden=1016, lead=(5,), zero_centered_weight=True),
+    LAYER.replace(hidden=1280, group_size=640, lead=(7,)),
     # The prenorm RMSNorm kernel in whole warps, lanes 25-31 idle, on rows that leave its last
     # group of four short; beside a bias, a zero-centred weight or none the residual kernel
     # takes the same call.
@@ -414,6 +422,7 @@ MIXES = {
                                                lead=(21,)),
                                   BASE.replace(hidden=1000, residual=True, prenorm=True,
                                                lead=(11,)),
+                                  LAYER.replace(hidden=776, residual=True, lead=(13,)),
                                   LAYER.replace(hidden=2048, residual=True, prenorm=True,
                                                 lead=(33,)),
                                   LAYER.replace(hidden=8192, residual=True, prenorm=True,

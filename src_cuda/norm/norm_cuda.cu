@@ -306,21 +306,38 @@ bool prenorm_call(const NormArgs& a, LeanDtypes d) {
 }
 
 // The lean forward's slices a lane (norm_plan.h) for a lean call, or 0 where it does not take it:
-// 1 up to kFastFwdSlices slices, 2 up to twice that for 16-bit rows beside a residual of their
-// dtype without a gate (the held forward's one warp a row before, plain_held_slices), and 4 up to
-// four times that for the prenorm call in 16 bits (the held forward's two slices a thread in one
-// warp before). One H100, % of copy, direct timing, RMSNorm + residual (bf16, float32 weight) at
-// 1024 columns, held / lean: 95.2-95.6 / 95.8-96.4 (torch.compile 96.5-96.6), on 2640 rows, whose
-// bytes stay in L2, 85.3-85.4 / 96.1 (compile 88.0); one H200: 640 columns 86.0-86.2 / 88.7-88.8
-// (the weight not yet fetched early; compile 90.7), 768 89.2-89.4 / 90.3 (92.7), at 1024 with it
-// 92.7-93.1 / 92.5-92.6 (compile 94.4-94.6).
+// 1 up to kFastFwdSlices slices; for 16-bit rows without a gate, 2 up to twice that and 4 up to
+// four times that for the prenorm call, beside a float32 stream, and without a residual below the
+// plain forward's kPlainMinSlices (plain_plan). One H100, % of copy, direct timing (bf16, float32
+// weight, 32768 rows), against what took them before:
+// - the prenorm call at 1024 columns, the held forward's two slices a thread in one warp / four:
+//   95.2-95.6 / 95.8-96.4 (torch.compile 96.5-96.6), on 2640 rows, whose bytes stay in L2, 85.3-85.4
+//   / 96.1 (compile 88.0); one H200: 640 columns 86.0-86.2 / 88.7-88.8 (the weight not yet fetched
+//   early; compile 90.7), 768 89.2-89.4 / 90.3 (92.7), at 1024 with it 92.7-93.1 / 92.5-92.6
+//   (compile 94.4-94.6).
+// - the norm alone, held / lean (the held forward one warp a row; compile in the same runs):
+//   RMSNorm 55.2 / 77.2-78.2 at 320 columns, 64.0 / 79.1-79.8 at 384 (89.7), 80.4 / 78.9-80.1 at
+//   512, 73.5 / 83.7-84.2 at 640, 83.4 / 85.5-86.1 at 768 (89.8), the plain forward / lean at 1024
+//   88.6 / 88.4; LayerNorm 51.6 / 68.3-68.6, 59.7 / 73.5-73.7 (83.3), 74.7 / 77.4-78.1, 62.1 /
+//   76.7-76.8, 72.6 / 82.8-84.0 (88.3), at 1024 87.0 / 86.1.
+// - LayerNorm beside a float32 stream, held / lean: 86.2 / 86.4 at 320 columns, 88.2 / 88.9 at 384
+//   (compile 91.8), 91.3 / 92.6 at 512, 93.5 / 94.0 at 640, 94.5 / 95.0 at 768 (96.9), 94.6 / 95.6
+//   at 1024.
+// - not taken: gated rows (the staged forward before), which lost at two slices a lane: 76.6 /
+//   67.4 at 320, 80.8 / 76.7-77.2 at 384, 82.2 / 84.7-85.1 at 512, and at four: 87.2 / 67.6 at 640,
+//   91.5 / 87.1 at 1024, 100.6 / 89.9 in groups of 1024 (125-160 registers); nor 16-bit rows beside
+//   a residual of their dtype at four outside the prenorm call (level in the residual kernel:
+//   95.1-95.6 / 95.1-95.3 at 1024).
 int lean_fwd_slices(const NormArgs& a, LeanDtypes d) {
   const int nslices = slices_of(a);
   if (!d.ok) return 0;
   if (nslices <= kFastFwdSlices) return 1;
-  const bool same16 = d.rt == d.dt && Dtype(d.dt) != Dtype::F32;
-  if (same16 && a.residual.present() && !a.z.present() && nslices <= 2 * kFastFwdSlices) return 2;
-  return same16 && prenorm_call(a, d) && nslices <= 4 * kFastFwdSlices ? 4 : 0;
+  if (Dtype(d.dt) == Dtype::F32 || a.z.present()) return 0;
+  if (nslices <= 2 * kFastFwdSlices) return 2;
+  const bool alone = !a.residual.present() && !a.residual_out.present();
+  const bool four =
+      d.rt != d.dt || (alone ? nslices < kPlainMinSlices : prenorm_call(a, d));
+  return four && nslices <= 4 * kFastFwdSlices ? 4 : 0;
 }
 
 // The lean forward kernel (FastFwdInputs, norm_plan.h) for a lean call of `threads` lanes a
@@ -403,7 +420,7 @@ int plain_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
                          (a.weight.dtype == Dtype::F32 || a.weight.dtype == dt) &&
                          (!a.bias.present() || a.bias.dtype == a.weight.dtype);
   if (dt == Dtype::F32 || d.rt != d.dt || a.residual.present() || a.residual_out.present() ||
-      a.z.present() || a.ngroups != 1 || !weight_ok || nslices < 128)
+      a.z.present() || a.ngroups != 1 || !weight_ok || nslices < kPlainMinSlices)
     return 0;
   const int per_cta =
       a.layer_norm && nslices > 2 * kPlainCtaSlices ? kPlainLayerCtaSlices : kPlainCtaSlices;

@@ -3,10 +3,10 @@
 // residual_in_fp32). The general kernels (norm_kernels.cuh) spend about 49 instructions an element
 // on their run-time options, re-checked slice by slice, and issue for 60% of the cycles (ncu, 4096
 // bf16 columns), so they cannot reach the bandwidth. These decide the options at compile time or
-// once a row. The forward here takes short segments (up to 256 columns, or 512 16-bit ones beside a
-// residual of their dtype), one or two slices a lane and two rows a lane at once (four in the
-// prenorm RMSNorm's kernel), the weight loaded once for them; longer ones go to the held, plain,
-// ring or staged forwards. The backward keeps the weight in registers for the whole walk down the
+// once a row. The forward here takes short segments (up to 256 columns, and up to 512 or 1024 16-bit
+// ones without a gate, lean_fwd_slices in norm_cuda.cu), one, two or four slices a lane and up to four rows a
+// lane at once, the weight loaded once for them; longer ones go to the held, plain, ring or staged
+// forwards. The backward keeps the weight in registers for the whole walk down the
 // rows (a thread's columns never change) and loads the next row while it reduces and stores this
 // one, 2 slices a thread in a CTA of up to 512 threads (8192 16-bit columns); longer segments, up
 // to 65536 columns, are shared by the CTAs of a thread-block cluster (kCluster, sm_90 and later;
@@ -827,38 +827,39 @@ cudaError_t launch_rows(void (*kernel)(NormArgs, NormPlan, Extra...), const Norm
   return cudaLaunchKernelEx(&config, kernel, a, p, extra...);
 }
 
+// The lean forward kernel of `slices` slices a lane, for a kernel kind that takes up to kMost
+// (lean_fwd_slices: more than one only for 16-bit rows).
+template <int kDt, int kRt, int kIn, bool kLayer, int kMost, int kWt = -1>
+auto fast_fwd_kernel(int slices) {
+  if constexpr (kMost > 1 && Dtype(kDt) != Dtype::F32) {
+    if (slices == 2) return norm_fwd_fast_kernel<kDt, kRt, kIn, kLayer, 2, kWt>;
+    if constexpr (kMost > 2)
+      if (slices == 4) return norm_fwd_fast_kernel<kDt, kRt, kIn, kLayer, 4, kWt>;
+  }
+  return norm_fwd_fast_kernel<kDt, kRt, kIn, kLayer, 1, kWt>;
+}
+
 template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, FastFwdInputs inputs,
                                  cudaStream_t stream) {
   const dim3 grid(unsigned(p.row_blocks), unsigned(a.ngroups));
-  constexpr bool kTwoSlices = kDt == kRt && Dtype(kDt) != Dtype::F32;  // lean_fwd_slices' rule
-  auto kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, true, 1>
-                             : norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, false, 1>;
-  if constexpr (kDt == kRt) {
-    if (inputs == kFwdPrenorm) {
-      const bool own = a.weight.dtype != Dtype::F32;  // the weight in x's dtype (fast_fwd_inputs)
-      constexpr int F = int(Dtype::F32);
-      kernel = own ? norm_fwd_fast_kernel<kDt, kRt, kFwdPrenorm, false, 1, kDt>
-                   : norm_fwd_fast_kernel<kDt, kRt, kFwdPrenorm, false, 1, F>;
-      if constexpr (kTwoSlices) {
-        if (slices == 2)
-          kernel = own ? norm_fwd_fast_kernel<kDt, kRt, kFwdPrenorm, false, 2, kDt>
-                       : norm_fwd_fast_kernel<kDt, kRt, kFwdPrenorm, false, 2, F>;
-        if (slices == 4)
-          kernel = own ? norm_fwd_fast_kernel<kDt, kRt, kFwdPrenorm, false, 4, kDt>
-                       : norm_fwd_fast_kernel<kDt, kRt, kFwdPrenorm, false, 4, F>;
-      }
-    } else if (inputs == kFwdGated)
-      kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdGated, true, 1>
-                            : norm_fwd_fast_kernel<kDt, kRt, kFwdGated, false, 1>;
-    else if (inputs == kFwdAlone)
-      kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdAlone, true, 1>
-                            : norm_fwd_fast_kernel<kDt, kRt, kFwdAlone, false, 1>;
-    else if constexpr (kTwoSlices) {
-      if (slices == 2)
-        kernel = a.layer_norm ? norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, true, 2>
-                              : norm_fwd_fast_kernel<kDt, kRt, kFwdResidual, false, 2>;
-    }
+  const bool L = a.layer_norm;
+  // Four slices a lane beside a residual only beside a float32 stream or in the prenorm kernel.
+  constexpr int kResidualMost = kDt == kRt ? 2 : 4;
+  auto kernel = L ? fast_fwd_kernel<kDt, kRt, kFwdResidual, true, kResidualMost>(slices)
+                  : fast_fwd_kernel<kDt, kRt, kFwdResidual, false, kResidualMost>(slices);
+  if constexpr (kDt == kRt) {  // fast_fwd_inputs gives kFwdResidual beside a float32 stream
+    constexpr int F = int(Dtype::F32);
+    if (inputs == kFwdAlone)
+      kernel = L ? fast_fwd_kernel<kDt, kRt, kFwdAlone, true, 4>(slices)
+                 : fast_fwd_kernel<kDt, kRt, kFwdAlone, false, 4>(slices);
+    if (inputs == kFwdPrenorm)  // the weight in x's dtype or float32 (fast_fwd_inputs)
+      kernel = a.weight.dtype != Dtype::F32
+                   ? fast_fwd_kernel<kDt, kRt, kFwdPrenorm, false, 4, kDt>(slices)
+                   : fast_fwd_kernel<kDt, kRt, kFwdPrenorm, false, 4, F>(slices);
+    if (inputs == kFwdGated)
+      kernel = L ? fast_fwd_kernel<kDt, kRt, kFwdGated, true, 1>(slices)
+                 : fast_fwd_kernel<kDt, kRt, kFwdGated, false, 1>(slices);
   }
   FastFwdArgs args(a, p);
   if (inputs == kFwdPrenorm) {

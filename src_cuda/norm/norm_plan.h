@@ -50,18 +50,18 @@ cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 // The lean kernels (norm_fast.cuh). kDt: the dtype of x, y, z, dy and dx; kRt: that of the residual
 // stream (residual and residual_out forward; x, dresidual_out and dresidual backward), kDt too or
 // float32 beside 16-bit kDt. Both take a gate where kDt == kRt. The forward takes segments of up to
-// `slices` * kFastFwdSlices slices, `slices` (1; 2 for 16-bit rows beside a residual of their
-// dtype; 4 for the 16-bit prenorm call, lean_fwd_slices in norm_cuda.cu) a lane and fast_fwd_rows
-// rows a lane at once, in blocks of kFastFwdBlock threads, not persistent: p.row_blocks row groups
-// of kFastFwdBlock / p.threads * fast_fwd_rows rows. One H100, % of copy, direct timing (GPU time
-// only), bf16 rows of 256 columns, against the persistent kernel it replaced (one row a lane at a
-// time, the next row's loads in flight, ~850 bytes of parameters): the norm alone RMSNorm 86.8 /
-// 95.8, LayerNorm 70.6 / 80.3, RMSNorm + residual 80.6 / 81.7, gated 75.6 / 77.3. One row a lane
-// ran at 84.4 / 70.5 / 79.9 / 78.3, four at 87.9 / 72.8 / 81.2 / 74.6 (80-96 registers). More
-// slices a lane instead of rows lost at every width to 1024 columns (rows of 512 columns, two
-// slices a lane: 79.0 against 80.1 for the held forward, RMSNorm alone) and so did these kernels at
-// 512 and 1024 columns against the held, plain and staged forwards. Two slices a lane as well as
-// two rows (`slices`, 70 registers) take 16-bit rows beside a residual of their dtype up to 2 *
+// `slices` * kFastFwdSlices slices, `slices` (1; 2 or 4 for 16-bit rows without a gate,
+// lean_fwd_slices in norm_cuda.cu) a lane and fast_fwd_rows rows a lane at once, in blocks of
+// kFastFwdBlock threads, not persistent: p.row_blocks row groups of kFastFwdBlock / p.threads *
+// fast_fwd_rows rows. One H100, % of copy, direct timing (GPU time only), bf16 rows of 256 columns,
+// against the persistent kernel it replaced (one row a lane at a time, the next row's loads in
+// flight, ~850 bytes of parameters): the norm alone RMSNorm 86.8 / 95.8, LayerNorm 70.6 / 80.3,
+// RMSNorm + residual 80.6 / 81.7, gated 75.6 / 77.3. One row a lane ran at 84.4 / 70.5 / 79.9 /
+// 78.3, four at 87.9 / 72.8 / 81.2 / 74.6 (80-96 registers). More slices a lane instead of rows
+// lost at every width to 1024 columns in that persistent kernel (rows of 512 columns, two slices a
+// lane: 79.0 against 80.1 for the held forward, RMSNorm alone); this one, its options compiled in,
+// takes them (lean_fwd_slices gives the measurements). Two slices a lane as well as two rows
+// (`slices`, 70 registers) take 16-bit rows beside a residual of their dtype up to 2 *
 // kFastFwdSlices slices: one H100, direct timing, against the held forward's 2 slices a thread in
 // one warp a row, RMSNorm of bf16 beside bf16, 85.2-86.0 / 86.5-86.8 at 384 columns, 88.9-89.9 /
 // 90.2-90.6 at 512 (compile 91.3-92.0), LayerNorm 83.5 / 84.8 at 384, 87.9 / 89.2 at 512 (compile
@@ -89,9 +89,11 @@ enum FastFwdInputs { kFwdAlone, kFwdResidual, kFwdGated, kFwdPrenorm };
 // two slices a lane: 87.4-88.0 / 86.9-87.4); in the residual kernel four rows (72-80 registers)
 // lost 0-1 point at 128-512 columns, and so did float32 rows in the prenorm kernel (79
 // registers): 84.7 / 82.5-83.0 at 256. At four slices a lane, one row / two (110 registers): one
-// H200, 1024 columns, 91.1-91.2 / 91.2-91.3, 640 88.7-88.8 / 88.0-88.3.
+// H200, 1024 columns, 91.1-91.2 / 91.2-91.3, 640 88.7-88.8 / 88.0-88.3. The norm alone at two
+// slices a lane, one row / two (H100, bf16): RMSNorm 74.7 / 77.9-78.2 at 320 columns, 76.4-77.1 /
+// 79.1-79.6 at 384; LayerNorm 60.8-61.3 / 68.3-68.4 and 67.8-67.9 / 73.5-73.7.
 __host__ __device__ constexpr int fast_fwd_rows(FastFwdInputs inputs, int slices, int dt) {
-  if (inputs == kFwdPrenorm && slices == 4) return 1;
+  if (slices == 4) return 1;
   return inputs == kFwdPrenorm && slices == 1 && Dtype(dt) != Dtype::F32 ? 4 : 2;
 }
 // The prenorm kernel fetches into L2 (a bulk prefetch a row share) the rows kPrenormAheadBytes of
@@ -188,12 +190,13 @@ template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int sms,
                                  cudaStream_t stream);
 
-// The plain forward (norm_plain.cuh): whole rows of 16-bit x without a residual or a gate from 128
-// slices (1024 columns), weight given in float32 or x's dtype, bias (if any) in the weight's. One
-// block a row of p.threads threads up to kPlainCtaSlices slices; past that the ceil(nslices /
-// kPlainCtaSlices) CTAs of a cluster share a row (p.cluster, p.cta_slices each; sm_90 and later, up
-// to kMaxCluster: 131072 columns), adding their statistics through distributed shared memory; a
-// LayerNorm past two of those, CTAs of up to kPlainLayerCtaSlices (65536 columns on eight).
+// The plain forward (norm_plain.cuh): whole rows of 16-bit x without a residual or a gate from
+// kPlainMinSlices slices (1024 columns; the lean forward takes shorter ones), weight given in
+// float32 or x's dtype, bias (if any) in the weight's. One block a row of p.threads threads up to
+// kPlainCtaSlices slices; past that the ceil(nslices / kPlainCtaSlices) CTAs of a cluster share a
+// row (p.cluster, p.cta_slices each; sm_90 and later, up to kMaxCluster: 131072 columns), adding
+// their statistics through distributed shared memory; a LayerNorm past two of those, CTAs of up to
+// kPlainLayerCtaSlices (65536 columns on eight).
 // `slices` a thread (the launcher's argument, as for the held forward; plain_slices):
 // - 4 below 512 slices a CTA, and for an RMSNorm whose CTA share is a power of two (every lane
 //   of a power-of-two block full), in up to kPlainNarrowThreads threads four blocks an SM (64
@@ -235,7 +238,8 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int
 // From 512 slices rather than past 1024, 4 MB ahead (one H100, direct, none / 4 MB): RMSNorm
 // 98.1 / 99.0 at 4096 columns, 97.4 / 97.9 at 6144, 98.6 / 99.3 at 8192; LayerNorm 96.5 / 97.3,
 // 96.2 / 97.1, 96.8 / 97.6.
-constexpr int kPlainNarrowThreads = 256, kPlainCtaSlices = 2048, kPlainLayerCtaSlices = 1024;
+constexpr int kPlainMinSlices = 128, kPlainNarrowThreads = 256, kPlainCtaSlices = 2048;
+constexpr int kPlainLayerCtaSlices = 1024;
 constexpr int64_t kPlainAheadBytes = int64_t(4) << 20;
 inline int plain_slices(bool layer_norm, int share) {
   if (share < 512 || (!layer_norm && (share & (share - 1)) == 0)) return 4;
