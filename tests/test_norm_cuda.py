@@ -166,7 +166,8 @@ RESIDUAL_RING_ROWS = (
 # groups of 64 slices (1024 columns); float32 rows there take the held forward. The norm alone at
 # two and four slices a lane (below the plain forward's 128 slices): 49 slices on an odd row
 # count, 64 (every lane two), 97 (lane 0 holding four, the others three), 127 with a zero-centred
-# weight (lane 31 holding three) and two groups of 80.
+# weight (lane 31 holding three) and two groups of 80; x returned as the stream without a residual
+# (the residual kernel at two slices).
 FAST_ROWS = (
     BASE.replace(hidden=256, lead=(257,), residual=True, prenorm=True),
     LAYER.replace(hidden=200, lead=(33,)),
@@ -180,6 +181,7 @@ FAST_ROWS = (
     LAYER.replace(hidden=776, lead=(11,)),
     BASE.replace(hidden=1016, lead=(5,), zero_centered_weight=True),
     LAYER.replace(hidden=1280, group_size=640, lead=(7,)),
+    BASE.replace(hidden=392, lead=(9,), prenorm=True),
     # The prenorm RMSNorm kernel in whole warps, lanes 25-31 idle, on rows that leave its last
     # group of four short; beside a bias, a zero-centred weight or none the residual kernel
     # takes the same call.
@@ -407,6 +409,9 @@ MIXES = {
     "bf16-x-fp32-residual-stream": dict(dtype=torch.bfloat16,
                                         dtypes={"residual": torch.float32},
                                         residual_dtype=torch.float32),
+    "fp16-x-fp32-residual-stream": dict(dtype=torch.float16,
+                                        dtypes={"residual": torch.float32},
+                                        residual_dtype=torch.float32),
     "bf16-x-bf16-residual-fp32-stream": dict(dtype=torch.bfloat16,
                                              residual_dtype=torch.float32),
     "fp16-x-fp16-residual-bf16-stream": dict(dtype=torch.float16,
@@ -422,6 +427,8 @@ MIXES = {
                                                lead=(21,)),
                                   BASE.replace(hidden=1000, residual=True, prenorm=True,
                                                lead=(11,)),
+                                  LAYER.replace(hidden=392, residual=True, prenorm=True,
+                                                lead=(11,)),
                                   LAYER.replace(hidden=776, residual=True, lead=(13,)),
                                   LAYER.replace(hidden=2048, residual=True, prenorm=True,
                                                 lead=(33,)),
