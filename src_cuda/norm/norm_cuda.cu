@@ -311,10 +311,10 @@ bool prenorm_call(const NormArgs& a, LeanDtypes d) {
 // plain forward's kPlainMinSlices (plain_plan). One H100, % of copy, direct timing (bf16, float32
 // weight, 32768 rows), against what took them before:
 // - the prenorm call at 1024 columns, the held forward's two slices a thread in one warp / four:
-//   95.2-95.6 / 95.8-96.4 (torch.compile 96.5-96.6), on 2640 rows, whose bytes stay in L2, 85.3-85.4
-//   / 96.1 (compile 88.0); one H200: 640 columns 86.0-86.2 / 88.7-88.8 (the weight not yet fetched
-//   early; compile 90.7), 768 89.2-89.4 / 90.3 (92.7), at 1024 with it 92.7-93.1 / 92.5-92.6
-//   (compile 94.4-94.6).
+//   95.2-95.6 / 95.8-96.4 (torch.compile 96.5-96.6), on 2640 rows, whose bytes stay in L2,
+//   85.3-85.4 / 96.1 (compile 88.0); one H200: 640 columns 86.0-86.2 / 88.7-88.8 (the weight not
+//   yet fetched early; compile 90.7), 768 89.2-89.4 / 90.3 (92.7), at 1024 with it 92.7-93.1 /
+//   92.5-92.6 (compile 94.4-94.6).
 // - the norm alone, held / lean (the held forward one warp a row; compile in the same runs):
 //   RMSNorm 55.2 / 77.2-78.2 at 320 columns, 64.0 / 79.1-79.8 at 384 (89.7), 80.4 / 78.9-80.1 at
 //   512, 73.5 / 83.7-84.2 at 640, 83.4 / 85.5-86.1 at 768 (89.8), the plain forward / lean at 1024
@@ -335,8 +335,7 @@ int lean_fwd_slices(const NormArgs& a, LeanDtypes d) {
   if (Dtype(d.dt) == Dtype::F32 || a.z.present()) return 0;
   if (nslices <= 2 * kFastFwdSlices) return 2;
   const bool alone = !a.residual.present() && !a.residual_out.present();
-  const bool four =
-      d.rt != d.dt || (alone ? nslices < kPlainMinSlices : prenorm_call(a, d));
+  const bool four = d.rt != d.dt || (alone ? nslices < kPlainMinSlices : prenorm_call(a, d));
   return four && nslices <= 4 * kFastFwdSlices ? 4 : 0;
 }
 

@@ -3,17 +3,17 @@
 // residual_in_fp32). The general kernels (norm_kernels.cuh) spend about 49 instructions an element
 // on their run-time options, re-checked slice by slice, and issue for 60% of the cycles (ncu, 4096
 // bf16 columns), so they cannot reach the bandwidth. These decide the options at compile time or
-// once a row. The forward here takes short segments (up to 256 columns, and up to 512 or 1024 16-bit
-// ones without a gate, lean_fwd_slices in norm_cuda.cu), one, two or four slices a lane and up to four rows a
-// lane at once, the weight loaded once for them; longer ones go to the held, plain, ring or staged
-// forwards. The backward keeps the weight in registers for the whole walk down the
-// rows (a thread's columns never change) and loads the next row while it reduces and stores this
-// one, 2 slices a thread in a CTA of up to 512 threads (8192 16-bit columns); longer segments, up
-// to 65536 columns, are shared by the CTAs of a thread-block cluster (kCluster, sm_90 and later;
-// norm_plan.h) that add their partial sums through distributed shared memory, so every row is still
-// read from DRAM once (the norm alone on 16-bit rows past 8192 columns takes the ring backward
-// instead, norm_ring.cuh). Both take the gate where every row-shaped operand has one dtype.
-// Included only by the instantiation files.
+// once a row. The forward here takes short segments (up to 256 columns, and up to 512 or 1024
+// 16-bit ones without a gate, lean_fwd_slices in norm_cuda.cu), one, two or four slices a lane and
+// up to four rows a lane at once, the weight loaded once for them; longer ones go to the held,
+// plain, ring or staged forwards. The backward keeps the weight in registers for the whole walk
+// down the rows (a thread's columns never change) and loads the next row while it reduces and
+// stores this one, 2 slices a thread in a CTA of up to 512 threads (8192 16-bit columns); longer
+// segments, up to 65536 columns, are shared by the CTAs of a thread-block cluster (kCluster, sm_90
+// and later; norm_plan.h) that add their partial sums through distributed shared memory, so every
+// row is still read from DRAM once (the norm alone on 16-bit rows past 8192 columns takes the ring
+// backward instead, norm_ring.cuh). Both take the gate where every row-shaped operand has one
+// dtype. Included only by the instantiation files.
 #pragma once
 
 #include <algorithm>
