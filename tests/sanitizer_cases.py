@@ -187,6 +187,11 @@ NORM_CASES = [
     (5, 4104, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.bfloat16),
     (3, 40000, 0, "layer", torch.bfloat16, torch.float32, True, True, 0, torch.bfloat16),
     (7, 14336, 0, "layer", torch.float32, torch.float32, True, False, 0, torch.float32),
+    # The staged forward's gated segments up to 128 slices, two slices a thread (64 slices on a
+    # row count that leaves the last block short; two groups of 128) and four (97 slices).
+    (77, 512, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
+    (9, 2048, 1024, "layer", torch.float16, torch.float16, True, True, 0, torch.float16),
+    (11, 776, 0, "rms", torch.bfloat16, torch.bfloat16, True, True, 0, torch.bfloat16),
 ]
 
 

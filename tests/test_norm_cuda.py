@@ -199,8 +199,20 @@ FAST_ROWS = (
     BASE.replace(hidden=1000, lead=(600,), residual=True, prenorm=True),
     BASE.replace(hidden=2048, group_size=1024, lead=(300,), residual=True, prenorm=True),
 )
+# The staged forward's gated segments up to 128 slices (staged_plan, norm_cuda.cu), in blocks of
+# 128 threads: two slices a thread where that leaves no lane idle, 64 slices (a warp a segment, on
+# a row count that leaves the last block short) and two groups of 128 (two warps), gated after
+# the norm, LayerNorm beside a residual; four elsewhere, 40 slices (16 threads, 6 idle) and 97
+# (lane 0 holding a fourth).
+STAGED_GATED_ROWS = (
+    BASE.replace(hidden=512, z=True, norm_before_gate=False, lead=(77,)),
+    LAYER.replace(hidden=2048, group_size=1024, z=True, residual=True, lead=(9,)),
+    BASE.replace(hidden=1024, z=True, lead=(13,)),
+    GATED.replace(hidden=320, group_size=0, lead=(21,)),
+    GATED.replace(hidden=776, group_size=0, lead=(11,)),
+)
 AWKWARD_ROWS = (CLUSTER_ROWS + HELD_ROWS + PLAIN_ROWS + RING_ROWS + GATED_RING_ROWS +
-                RESIDUAL_RING_ROWS + FAST_ROWS) + (
+                RESIDUAL_RING_ROWS + FAST_ROWS + STAGED_GATED_ROWS) + (
     GATED.replace(hidden=1, group_size=0, lead=(5000,)),
     LAYER.replace(hidden=7, residual=True, z=True, lead=(1000,)),
     GATED.replace(hidden=4097, group_size=241, lead=(33,)),
