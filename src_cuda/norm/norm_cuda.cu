@@ -471,7 +471,9 @@ NormPlan ring_fwd_shape(const NormArgs& a, int cluster, int K) {
 // (89.4), 90.9 / 90.5 / 87.7 at 768 (94.0), 92.3 / 92.2 / 94.9 at 1024 (95.7). Blocks of 512
 // threads lost at every width (72.5 at 320, 91.3 at 1024).
 constexpr int kStagedNarrowGatedSlices = 128;
-bool whole_pairs(int nslices) { return nslices % 2 == 0 && pow2_at_least(nslices / 2) == nslices / 2; }
+bool whole_pairs(int nslices) {
+  return nslices % 2 == 0 && pow2_at_least(nslices / 2) == nslices / 2;
+}
 
 bool staged_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   const int nslices = slices_of(a);
