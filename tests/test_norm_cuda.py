@@ -432,7 +432,14 @@ MIXES = {
 }
 
 
+# Beside a float32 stream the lean backward keeps one slice a thread up to 128 slices
+# (bwd_one_slice, norm_plan.h): the rows up to 1000 columns, one column a thread (8), and two
+# groups of 128 slices.
 @pytest.mark.parametrize("case", [GATED.replace(bias=True),
+                                  BASE.replace(hidden=8, residual=True, prenorm=True,
+                                               lead=(300,)),
+                                  LAYER.replace(hidden=2048, group_size=1024, residual=True,
+                                                lead=(7,)),
                                   BASE.replace(hidden=200, residual=True, prenorm=True,
                                                lead=(45,)),
                                   BASE.replace(hidden=512, residual=True, prenorm=True,

@@ -176,16 +176,17 @@ size_t partial_bytes(int64_t rows, int64_t hidden) {
 
 // The backward's plan and its workspace: per-row-block partial sums of dweight and dbias, made
 // by the row kernel (fused) or by the column kernel when a segment outgrows the registers of the
-// general kernel. `cluster` is the lean kernel's (lean_cluster) or 0 for the general kernels.
+// general kernel. `cluster` is the lean kernel's (lean_cluster) or 0 for the general kernels;
+// `one_slice`: the lean kernel's one slice a thread (bwd_one_slice, norm_plan.h).
 struct BwdSetup {
   NormPlan plan;
   bool fused = true;
   int64_t partial_rows = 1;  // row blocks of partial sums
   size_t workspace = 0;
 
-  BwdSetup(const NormArgs& a, int device, int cluster) {
+  BwdSetup(const NormArgs& a, int device, int cluster, bool one_slice = false) {
     const int nslices = slices_of(a);
-    plan = shape_plan(a, kBwdMaxSlices, std::max(cluster, 1));
+    plan = shape_plan(a, one_slice ? 1 : kBwdMaxSlices, std::max(cluster, 1));
     fused = cluster > 0 || nslices <= kBwdMaxSlices * plan.threads;
     const int64_t sms = std::max(1, multiprocessor_count(device));
     const int64_t slots = plan.block / plan.threads;
@@ -194,8 +195,10 @@ struct BwdSetup {
       // Persistent: as many blocks (clusters) as fit at once, each summing its rows' dweight in
       // registers. Sized by the generic kernel whatever the dtypes: the size query, which sees
       // only x and weight, must arrive at the same workspace as the call. A cluster's launcher
-      // may lower it to the clusters that fit.
-      const int per_sm = norm_bwd_blocks_per_sm<kBwdMaxSlices, -1, false>(plan.block);
+      // may lower it to the clusters that fit, and the one-slice launcher to the CTAs that fit,
+      // of at most the threads an SM holds.
+      const int per_sm = one_slice ? kBwdOneSliceSmThreads / plan.block
+                                   : norm_bwd_blocks_per_sm<kBwdMaxSlices, -1, false>(plan.block);
       plan.row_blocks = std::clamp<int64_t>(ceil_div(per_sm * sms, a.ngroups * plan.cluster), 1,
                                             row_blocks_needed);
       partial_rows = plan.row_blocks;
@@ -641,6 +644,9 @@ size_t norm_bwd_cuda_workspace(const NormArgs& a, int device) {
   const int cluster = lean_cluster(nslices, device);
   size_t bytes = BwdSetup(a, device, 0).workspace;
   if (cluster > 1) bytes = std::max(bytes, BwdSetup(a, device, cluster).workspace);
+  // Nor whether x, the stream s, float32 here, comes beside 16-bit dy (the one-slice plan).
+  if (bwd_one_slice(Dtype::BF16, a.x.dtype, nslices, cluster))
+    bytes = std::max(bytes, BwdSetup(a, device, cluster, true).workspace);
   // Nor whether a dbias is wanted, which shapes the ring's clusters.
   for (const bool full : {a.layer_norm, true}) {
     const int ring = ring_ctas(nslices, a.x.dtype, full, a, device);
@@ -665,7 +671,9 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
   const bool sums = a.dweight.present() || a.dbias.present();
   float* partial = static_cast<float*>(workspace);
   // The lean or general kernels' setup; the ring backward's plan replaces its plan below.
-  BwdSetup setup(a, device, cluster);
+  const bool one_slice =
+      cluster > 0 && bwd_one_slice(Dtype(lean.dt), Dtype(lean.rt), slices_of(a), cluster);
+  BwdSetup setup(a, device, cluster, one_slice);
   NormPlan& p = setup.plan;
   auto prepare = [&] {
     p.vec = vec;

@@ -562,14 +562,14 @@ enum LeanGate { kNoGate = 0, kGateFirst = 1, kGateAfter = 2 };
 // (the forward's residual stream s), dresidual_out and dresidual; kDt: dy, dx, z and dz. kFull
 // (LayerNorm, or a call that wants dbias) keeps the mean, the sum of w dy and the dbias sums;
 // RMSNorm without a bias, the common case, compiles without them: 16 registers and ~3
-// instructions an element fewer. kGate: a LeanGate (kDt == kRt only). Rows past the end and
+// instructions an element fewer. kGate: a LeanGate (kDt == kRt only). K: slices a thread
+// (kFastBwdSlices, or one where bwd_one_slice says, norm_plan.h). Rows past the end and
 // slices past the segment read as zeros (their registers are zeroed instead of loaded), so the
 // element loops need no per-element selects.
-template <int kDt, int kRt, bool kFull, int kGate, bool kCluster>
+template <int kDt, int kRt, bool kFull, int kGate, bool kCluster, int K = kFastBwdSlices>
 __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const NormArgs a,
                                                                         const NormPlan p) {
   using namespace norm_detail;
-  constexpr int K = kFastBwdSlices;
   constexpr int M = kFull ? 2 : 1;  // sums a row needs: w dy xhat (and w dy)
   constexpr Dtype D = Dtype(kDt), R = Dtype(kRt);
   // With kFull or a gate the scale is read again for each slice at every row instead of staying
@@ -884,7 +884,15 @@ cudaError_t launch_norm_bwd_fast(const NormArgs& a, NormPlan& p, int sms, cudaSt
                     : norm_bwd_fast_kernel<kDt, kRt, false, kGateFirst, kCluster>;
   }
   const size_t smem = bwd_stash_bytes(a, p, kDt == kRt);
-  // Without a cluster the fused plan (norm_cuda.cu) has already sized the persistent grid.
+  // The one-slice kernel's grid is lowered to the CTAs that fit (bwd_one_slice); otherwise,
+  // without a cluster, the fused plan (norm_cuda.cu) has already sized the persistent grid.
+  if constexpr (!kCluster) {
+    if (bwd_one_slice(Dtype(kDt), Dtype(kRt), p.nslices, p.cluster)) {
+      kernel = full ? norm_bwd_fast_kernel<kDt, kRt, true, kNoGate, false, 1>
+                    : norm_bwd_fast_kernel<kDt, kRt, false, kNoGate, false, 1>;
+      return launch_rows<false>(kernel, a, p, sms, stream, smem, true);
+    }
+  }
   return launch_rows<kCluster>(kernel, a, p, sms, stream, smem, kCluster);
 }
 
