@@ -227,7 +227,7 @@ def run_norm_cases():
 NORM_STREAM_CASES = [
     (33, 4096, "layer", torch.bfloat16, True),
     # The lean backward's one slice a thread (up to 128 slices): 49 slices in 64 threads, two
-    # rows a CTA; 128 in 128; one column a thread, 128 rows a CTA.
+    # rows a CTA; 128 in 128; one slice a segment, 128 rows a CTA.
     (37, 392, "layer", torch.bfloat16, True),
     (9, 1024, "rms", torch.float16, False),
     (300, 8, "layer", torch.bfloat16, True),

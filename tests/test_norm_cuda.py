@@ -433,8 +433,8 @@ MIXES = {
 
 
 # Beside a float32 stream the lean backward keeps one slice a thread up to 128 slices
-# (bwd_one_slice, norm_plan.h): the rows up to 1000 columns, one column a thread (8), and two
-# groups of 128 slices.
+# (bwd_one_slice, norm_plan.h): the rows up to 1000 columns, one slice a segment (8 columns, 128
+# rows a CTA), and two groups of 128 slices.
 @pytest.mark.parametrize("case", [GATED.replace(bias=True),
                                   BASE.replace(hidden=8, residual=True, prenorm=True,
                                                lead=(300,)),
