@@ -192,6 +192,10 @@ NORM_CASES = [
     (77, 512, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
     (9, 2048, 1024, "layer", torch.float16, torch.float16, True, True, 0, torch.float16),
     (11, 776, 0, "rms", torch.bfloat16, torch.bfloat16, True, True, 0, torch.bfloat16),
+    # The lean forward's three slices a lane for the norm alone: 41 slices in 16 lanes, lanes 9-15
+    # idle for the third; two groups of 65 in 32 lanes, lane 0 alone holding a third.
+    (37, 328, 0, "layer", torch.bfloat16, torch.float32, False, False, 0, None),
+    (21, 1040, 520, "rms", torch.float16, torch.float32, False, False, 0, None),
 ]
 
 
@@ -231,6 +235,9 @@ NORM_STREAM_CASES = [
     (37, 392, "layer", torch.bfloat16, True),
     (9, 1024, "rms", torch.float16, False),
     (300, 8, "layer", torch.bfloat16, True),
+    # The lean forward's three slices a lane beside the stream: 41 slices, 65.
+    (19, 328, "layer", torch.bfloat16, True),
+    (9, 520, "rms", torch.float16, False),
     (300, 8200, "layer", torch.float16, True),
     (250, 24584, "rms", torch.bfloat16, False),
 ]

@@ -167,7 +167,9 @@ RESIDUAL_RING_ROWS = (
 # two and four slices a lane (below the plain forward's 128 slices): 49 slices on an odd row
 # count, 64 (every lane two), 97 (lane 0 holding four, the others three), 127 with a zero-centred
 # weight (lane 31 holding three) and two groups of 80; x returned as the stream without a residual
-# (the residual kernel at two slices).
+# (the residual kernel at two slices). At three slices a lane, where that leaves fewer lanes idle
+# (lean_fwd_slices, norm_cuda.cu): 48 slices (16 lanes a segment, each holding three), 41 (lanes
+# 0-8 holding a third), 96 (32 lanes of three) and two groups of 65 (lane 0 holding a third).
 FAST_ROWS = (
     BASE.replace(hidden=256, lead=(257,), residual=True, prenorm=True),
     LAYER.replace(hidden=200, lead=(33,)),
@@ -182,6 +184,10 @@ FAST_ROWS = (
     BASE.replace(hidden=1016, lead=(5,), zero_centered_weight=True),
     LAYER.replace(hidden=1280, group_size=640, lead=(7,)),
     BASE.replace(hidden=392, lead=(9,), prenorm=True),
+    BASE.replace(hidden=384, lead=(37,)),
+    LAYER.replace(hidden=328, lead=(21,)),
+    LAYER.replace(hidden=768, lead=(9,)),
+    BASE.replace(hidden=1040, group_size=520, lead=(5,)),
     # The prenorm RMSNorm kernel in whole warps, lanes 25-31 idle, on rows that leave its last
     # group of four short; beside a bias, a zero-centred weight or none the residual kernel
     # takes the same call.
@@ -434,7 +440,8 @@ MIXES = {
 
 # Beside a float32 stream the lean backward keeps one slice a thread up to 128 slices
 # (bwd_one_slice, norm_plan.h): the rows up to 1000 columns, one slice a segment (8 columns, 128
-# rows a CTA), and two groups of 128 slices.
+# rows a CTA), and two groups of 128 slices. The lean forward takes three slices a lane there at
+# 41 slices (16 lanes a segment) and 65 (lane 0 holding a third).
 @pytest.mark.parametrize("case", [GATED.replace(bias=True),
                                   BASE.replace(hidden=8, residual=True, prenorm=True,
                                                lead=(300,)),
@@ -449,6 +456,9 @@ MIXES = {
                                   LAYER.replace(hidden=392, residual=True, prenorm=True,
                                                 lead=(11,)),
                                   LAYER.replace(hidden=776, residual=True, lead=(13,)),
+                                  LAYER.replace(hidden=328, residual=True, prenorm=True,
+                                                lead=(19,)),
+                                  BASE.replace(hidden=520, residual=True, lead=(9,)),
                                   LAYER.replace(hidden=2048, residual=True, prenorm=True,
                                                 lead=(33,)),
                                   LAYER.replace(hidden=8192, residual=True, prenorm=True,

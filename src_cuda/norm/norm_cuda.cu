@@ -311,8 +311,17 @@ bool prenorm_call(const NormArgs& a, LeanDtypes d) {
 // The lean forward's slices a lane (norm_plan.h) for a lean call, or 0 where it does not take it:
 // 1 up to kFastFwdSlices slices; for 16-bit rows without a gate, 2 up to twice that and 4 up to
 // four times that for the prenorm call, beside a float32 stream, and without a residual below the
-// plain forward's kPlainMinSlices (plain_plan). One H100, % of copy, direct timing (bf16, float32
-// weight, 32768 rows), against what took them before:
+// plain forward's kPlainMinSlices (plain_plan); the norm alone and the rows beside a float32
+// stream take 3 instead where that leaves fewer lanes idle (264-384 and 520-768 columns: 16
+// lanes a segment at 384, none idle, against 32 lanes of 2 slices, 16 of them idle for the
+// second). One H100, % of copy, direct timing (bf16, float32 weight, 32768 rows), 2 or 4 slices
+// a lane / 3 at one row a lane / 3 at two rows (torch.compile): RMSNorm alone 78.2 / 80.8 / 79.6
+// at 320 columns (90.0, writing no rstd), 78.9 / 81.0 / 78.9 at 384 (90.6), 80.2 / 81.9 / 80.4
+// at 576 (86.1), 82.9 / 84.1 / 82.7 at 640 (87.5), 85.6 / 85.8 / 85.4 at 768 (90.0); LayerNorm
+// alone 67.3 / 74.1 / 73.0 (80.7), 72.6 / 75.0 / 75.1 (83.7), 71.9 / 78.4 / 77.0 (85.8), 77.3 /
+// 81.2 / 80.1 (86.7), 83.0 / 83.9 / 83.4 (88.7); LayerNorm beside a float32 stream 85.9 / 86.9 /
+// 86.0 (89.8), 88.4 / 89.9 / 89.4 (92.6), level at 576, 93.4 / 93.8 / 93.4 (95.5), 94.6 / 94.9 /
+// 94.6 (96.6); RMSNorm there 0.1-0.5 points up. Against what took them before:
 // - the prenorm call at 1024 columns, the held forward's two slices a thread in one warp / four:
 //   95.2-95.6 / 95.8-96.4 (torch.compile 96.5-96.6), on 2640 rows, whose bytes stay in L2,
 //   85.3-85.4 / 96.1 (compile 88.0); one H200: 640 columns 86.0-86.2 / 88.7-88.8 (the weight not
@@ -336,10 +345,16 @@ int lean_fwd_slices(const NormArgs& a, LeanDtypes d) {
   if (!d.ok) return 0;
   if (nslices <= kFastFwdSlices) return 1;
   if (Dtype(d.dt) == Dtype::F32 || a.z.present()) return 0;
-  if (nslices <= 2 * kFastFwdSlices) return 2;
   const bool alone = !a.residual.present() && !a.residual_out.present();
   const bool four = d.rt != d.dt || (alone ? nslices < kPlainMinSlices : prenorm_call(a, d));
-  return four && nslices <= 4 * kFastFwdSlices ? 4 : 0;
+  const int K = nslices <= 2 * kFastFwdSlices ? 2
+                : four && nslices <= 4 * kFastFwdSlices ? 4 : 0;
+  // Three slices a lane where they leave fewer lanes idle (the kernels of the norm alone and of
+  // a float32 stream take them).
+  auto slots = [&](int k) { return k * pow2_at_least(ceil_div(nslices, k)); };
+  const bool three = (alone || d.rt != d.dt) && K > 0 && nslices <= 3 * kFastFwdSlices &&
+                     slots(3) < slots(K);
+  return three ? 3 : K;
 }
 
 // The lean forward kernel (FastFwdInputs, norm_plan.h) for a lean call of `threads` lanes a

@@ -833,8 +833,10 @@ template <int kDt, int kRt, int kIn, bool kLayer, int kMost, int kWt = -1>
 auto fast_fwd_kernel(int slices) {
   if constexpr (kMost > 1 && Dtype(kDt) != Dtype::F32) {
     if (slices == 2) return norm_fwd_fast_kernel<kDt, kRt, kIn, kLayer, 2, kWt>;
-    if constexpr (kMost > 2)
+    if constexpr (kMost > 2) {
+      if (slices == 3) return norm_fwd_fast_kernel<kDt, kRt, kIn, kLayer, 3, kWt>;
       if (slices == 4) return norm_fwd_fast_kernel<kDt, kRt, kIn, kLayer, 4, kWt>;
+    }
   }
   return norm_fwd_fast_kernel<kDt, kRt, kIn, kLayer, 1, kWt>;
 }

@@ -84,7 +84,8 @@ constexpr int kFastFwdSlices = 32, kFastFwdBlock = 128;
 // decides).
 enum FastFwdInputs { kFwdAlone, kFwdResidual, kFwdGated, kFwdPrenorm };
 // Rows a lane takes at once: four in the prenorm kernel for 16-bit rows at one slice a lane (60
-// registers), one at four slices a lane, two elsewhere. One H100, % of copy, direct timing,
+// registers), one at three or four slices a lane (lean_fwd_slices in norm_cuda.cu has three's
+// measurements against two rows), two elsewhere. One H100, % of copy, direct timing,
 // RMSNorm + residual (bf16) at 256 columns, two rows / four: 83.2-83.7 / 84.6-85.5 (384 columns,
 // two slices a lane: 87.4-88.0 / 86.9-87.4); in the residual kernel four rows (72-80 registers)
 // lost 0-1 point at 128-512 columns, and so did float32 rows in the prenorm kernel (79
@@ -93,7 +94,7 @@ enum FastFwdInputs { kFwdAlone, kFwdResidual, kFwdGated, kFwdPrenorm };
 // slices a lane, one row / two (H100, bf16): RMSNorm 74.7 / 77.9-78.2 at 320 columns, 76.4-77.1 /
 // 79.1-79.6 at 384; LayerNorm 60.8-61.3 / 68.3-68.4 and 67.8-67.9 / 73.5-73.7.
 __host__ __device__ constexpr int fast_fwd_rows(FastFwdInputs inputs, int slices, int dt) {
-  if (slices == 4) return 1;
+  if (slices >= 3) return 1;
   return inputs == kFwdPrenorm && slices == 1 && Dtype(dt) != Dtype::F32 ? 4 : 2;
 }
 // The prenorm kernel fetches into L2 (a bulk prefetch a row share) the rows kPrenormAheadBytes of
