@@ -40,5 +40,11 @@ __device__ __forceinline__ void store_16_bytes_streaming(void* p, uint4 w) {
   asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x), "r"(w.y),
                "r"(w.z), "r"(w.w));
 }
+// The same, not allocated in L1 (st.global.L1::no_allocate): one H100, the lean norm forward's
+// 16-bit y at 256-384 columns (norm_fast.cuh says what it bought).
+__device__ __forceinline__ void store_16_bytes_no_l1(void* p, uint4 w) {
+  asm volatile("st.global.L1::no_allocate.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x),
+               "r"(w.y), "r"(w.z), "r"(w.w));
+}
 
 }  // namespace ssm

@@ -422,7 +422,8 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
         Slice f;
         stream_value(i, k, f);
         if (residual_out && ok(i, k))
-          store_slice(a.residual_out, S, offset(a.residual_out_stride, i, k), kSlice, true, f);
+          store_slice(a.residual_out, S, offset(a.residual_out_stride, i, k), kSlice, true, f,
+                      StoreHint::kNoL1);
         if constexpr (kKeep) {
 #pragma unroll
           for (int e = 0; e < kSlice; ++e) vs[i][k][e] = f[e];
@@ -548,7 +549,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
         f[e] = (kLayer ? f[e] - mean[i] : f[e]) * rstd[i] * w[e] + b[e];
         if (kGate && !gate_first) f[e] *= u[i][k][e];
       }
-      store_slice(a.y, D, offset(a.y_stride, i, k), kSlice, true, f);
+      store_slice(a.y, D, offset(a.y_stride, i, k), kSlice, true, f, StoreHint::kNoL1);
     }
   }
 }

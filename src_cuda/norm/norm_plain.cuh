@@ -87,7 +87,8 @@ __device__ __forceinline__ void plain_row(const NormArgs& a, const NormPlan& p, 
         f[e] = (f[e] - mean) * rstd * s;
         if (bias) f[e] += bs[j][e];
       }
-      store_slice(y, D, col(v), kSlice, true, f, kStream);
+      store_slice(y, D, col(v), kSlice, true, f,
+                  kStream ? StoreHint::kStreaming : StoreHint::kCached);
     }
   }
 }

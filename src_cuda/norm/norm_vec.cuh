@@ -60,10 +60,15 @@ __device__ __forceinline__ void widen_slice(Dtype d, bool vec, float (&v)[kSlice
   }
 }
 
-// v[0..7] (or the first `n` without `vec`) rounded to `d` and stored from element `i` onward;
-// `streaming`: a 16-bit `vec` slice is stored with store_16_bytes_streaming.
+// How store_slice stores a 16-bit `vec` slice: store_16_bytes, store_16_bytes_streaming or
+// store_16_bytes_no_l1 (device_dtype.cuh).
+enum class StoreHint { kCached, kStreaming, kNoL1 };
+
+// v[0..7] (or the first `n` without `vec`) rounded to `d` and stored from element `i` onward, a
+// 16-bit `vec` slice as `hint` says.
 __device__ __forceinline__ void store_slice(void* p, Dtype d, int64_t i, int n, bool vec,
-                                            const float (&v)[kSlice], bool streaming = false) {
+                                            const float (&v)[kSlice],
+                                            StoreHint hint = StoreHint::kCached) {
   if (vec) {
     if (d == Dtype::F32) {
       float* q = static_cast<float*>(p) + i;
@@ -84,10 +89,11 @@ __device__ __forceinline__ void store_slice(void* p, Dtype d, int64_t i, int n, 
         memcpy(&w[k], &h, sizeof h);
       }
     }
-    if (streaming)
-      store_16_bytes_streaming(static_cast<uint16_t*>(p) + i, make_uint4(w[0], w[1], w[2], w[3]));
-    else
-      store_16_bytes(static_cast<uint16_t*>(p) + i, make_uint4(w[0], w[1], w[2], w[3]));
+    const uint4 packed = make_uint4(w[0], w[1], w[2], w[3]);
+    uint16_t* q = static_cast<uint16_t*>(p) + i;
+    if (hint == StoreHint::kStreaming) store_16_bytes_streaming(q, packed);
+    else if (hint == StoreHint::kNoL1) store_16_bytes_no_l1(q, packed);
+    else store_16_bytes(q, packed);
     return;
   }
 #pragma unroll
