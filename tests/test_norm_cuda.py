@@ -701,6 +701,20 @@ def test_extreme_rows(pattern, kind, hidden, dtype, seed):
                    libssm.NormGrads(*(None if g is None else g.cpu() for g in grads)))
 
 
+# Where x and y together outgrow the L2, the norm alone's lean forward fetches x into L2 4 MB of
+# rows ahead of its own (kAloneAheadBytes, norm_plan.h): rows just past that at two slices a lane
+# and two rows (512 columns) and at three slices and one row (520), so the last rows' fetches
+# would fall past the end and must be skipped.
+@pytest.mark.parametrize("kind,hidden", [("rms", 512), ("layer", 520)])
+def test_norm_alone_past_the_l2(kind, hidden, seed):
+    rows = torch.cuda.get_device_properties(0).L2_cache_size // (2 * 2 * hidden) + 1001
+    case = (LAYER if kind == "layer" else BASE).replace(hidden=hidden, lead=(rows,))
+    inputs = make_norm_inputs(case, torch.bfloat16, seed, device="cuda")
+    fwd = run_forward(case, inputs)
+    check_forward(case, to_cpu(inputs),
+                  libssm.NormForward(*(None if t is None else t.cpu() for t in fwd)))
+
+
 def test_offsets_past_int32():
     """rows * hidden > 2^31, so element offsets into x, y, residual_out, dy and dx leave int32
     range. The last rows, whose offsets are the largest, are checked against the CPU path run

@@ -12,17 +12,30 @@ ssm_status cuda_status(cudaError_t err, const char* what) {
   return fail(SSM_ERROR_CUDA, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
 }
 
-int multiprocessor_count(int device) {
-  static std::atomic<int> cached[64];  // zero: not asked yet
-  int n = device >= 0 && device < 64 ? cached[device].load(std::memory_order_relaxed) : 0;
+namespace {
+// A device attribute, asked once per device (of the first 64) and kept in `cache` (zero: not asked
+// yet); 0 if the query fails.
+int cached_attribute(std::atomic<int> (&cache)[64], cudaDeviceAttr attr, int device) {
+  int n = device >= 0 && device < 64 ? cache[device].load(std::memory_order_relaxed) : 0;
   if (n == 0) {
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    if (cudaDeviceGetAttribute(&n, attr, device) != cudaSuccess) {
       cudaGetLastError();  // or the next launch would report this failure as its own
       return 0;
     }
-    if (device >= 0 && device < 64) cached[device].store(n, std::memory_order_relaxed);
+    if (device >= 0 && device < 64) cache[device].store(n, std::memory_order_relaxed);
   }
   return n;
+}
+}  // namespace
+
+int multiprocessor_count(int device) {
+  static std::atomic<int> cached[64];
+  return cached_attribute(cached, cudaDevAttrMultiProcessorCount, device);
+}
+
+int l2_cache_bytes(int device) {
+  static std::atomic<int> cached[64];
+  return cached_attribute(cached, cudaDevAttrL2CacheSize, device);
 }
 
 namespace {

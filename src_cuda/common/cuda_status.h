@@ -16,6 +16,9 @@ ssm_status cuda_status(cudaError_t err, const char* what);
 // The device's multiprocessor count, asked once per device and cached; 0 if the query fails.
 int multiprocessor_count(int device);
 
+// The device's L2 cache in bytes, asked once per device and cached; 0 if the query fails.
+int l2_cache_bytes(int device);
+
 // Whether the code the current device runs was compiled for sm_90 or later, so kernels that
 // use thread-block clusters (compiled only there) can launch; asked once per device and cached.
 // The caller makes `device` current (CudaDeviceGuard).

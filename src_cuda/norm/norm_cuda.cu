@@ -369,6 +369,14 @@ FastFwdInputs fast_fwd_inputs(const NormArgs& a, LeanDtypes d, int threads) {
   return threads == 32 && prenorm_call(a, d) ? kFwdPrenorm : kFwdResidual;
 }
 
+// How far ahead the lean forward fetches x (and the residual) into L2 (norm_plan.h): the prenorm
+// kernel always, the norm alone where x and y outgrow the device's L2.
+int64_t lean_fwd_ahead_bytes(const NormArgs& a, FastFwdInputs inputs, int device) {
+  if (inputs == kFwdPrenorm) return kPrenormAheadBytes;
+  const int64_t bytes = 2 * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice);
+  return inputs == kFwdAlone && bytes > l2_cache_bytes(device) ? kAloneAheadBytes : 0;
+}
+
 // The held forward's plan (norm_plan.h) for a lean call without a gate: the slices a thread
 // holds in a plain CTA, or 0 where it takes clusters (or, for a segment that one CTA's stage
 // holds, the staged forward). One H200, % of copy, direct timing, the staged forward or the
@@ -541,12 +549,13 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   if (lean_slices > 0) {
     p.block = kFastFwdBlock;
     const FastFwdInputs inputs = fast_fwd_inputs(a, lean, p.threads);
+    const int64_t ahead = lean_fwd_ahead_bytes(a, inputs, device);
     p.row_blocks = ceil_div(a.rows, int64_t(kFastFwdBlock / p.threads) *
                                         fast_fwd_rows(inputs, lean_slices, lean.dt));
     if (p.row_blocks <= INT_MAX)
       return cuda_status(with_lean_dtypes(lean, [&](auto dt, auto rt) {
                            return launch_norm_fwd_fast<decltype(dt)::value, decltype(rt)::value>(
-                               a, p, lean_slices, inputs, s);
+                               a, p, lean_slices, inputs, ahead, s);
                          }),
                          "norm_fwd launch");
   }

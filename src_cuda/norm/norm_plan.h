@@ -105,11 +105,24 @@ __host__ __device__ constexpr int fast_fwd_rows(FastFwdInputs inputs, int slices
 // 1024 (torch.compile 86.9-87.2, 87.3, 91.7, 94.7, 96.3-96.7). Farther lost: 4 MB 84.8 at 256,
 // 85.2 at 512 and 86.4 at 1024; 8 MB (about a wave of blocks) 79.2, 71.7 and 70.9. The other
 // lean kernels lost with it, up to 6 points at 256 columns (the norm alone, gated), whose inputs
-// stay in L2 between calls there: it stays the prenorm kernel's.
+// stay in L2 between calls there; the norm alone takes it where its x and y outgrow the L2
+// (kAloneAheadBytes).
 constexpr int64_t kPrenormAheadBytes = int64_t(1) << 20;
+// The norm alone's lean kernel fetches 4 MB of x ahead where x and y together are more bytes
+// than the L2 holds; where they fit, they stay in L2 from one call to the next and fetching
+// ahead pushed them out (one H100, % of copy, direct timing, bf16, float32 weight, 32768 rows,
+// none / 4 MB: RMSNorm alone 104.7-105.5 / 106.1-108.6 at 256 columns but 89.2-89.8 / 85.1-85.5
+// at 384). Past the L2: RMSNorm alone 79.6-80.5 / 80.8-82.7 at 448 columns, 78.8-79.2 / 82.1-83.0
+// at 512, 82.6-83.6 / 83.5-84.6 at 640, 84.5-85.4 / 87.1-87.5 at 768; LayerNorm alone 75.7-76.3
+// / 78.1-79.7, 76.2-77.8 / 80.1-80.8, 79.7-80.5 / 81.8-82.3, 82.0-82.7 / 85.1-85.4. 8 MB ahead
+// lost to 4 (78.5-78.7 at 512, 83.3 at 768), 16 MB to none (76.3-76.5, 71.0-71.1); 1 MB and 256
+// KB gained about half as much. On 131072 rows: 94.6 / 96.1 at 512, 96.9 / 97.5 at 768.
+constexpr int64_t kAloneAheadBytes = int64_t(4) << 20;
+// `ahead_bytes`: how far ahead of its rows the prenorm kernel or the norm alone's fetches x (and
+// the residual) into L2, 0 for not at all.
 template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, FastFwdInputs inputs,
-                                 cudaStream_t stream);
+                                 int64_t ahead_bytes, cudaStream_t stream);
 // The lean backward keeps kFastBwdSlices slices a thread, like the fused general one. Its
 // dynamic shared memory (bwd_stash_bytes) holds, per thread:
 // - with LayerNorm, a bias gradient or a gate, beside a stream of x's dtype
