@@ -702,7 +702,8 @@ def test_extreme_rows(pattern, kind, hidden, dtype, seed):
 
 
 # Where x and y together outgrow the L2, the norm alone's lean forward fetches x into L2 4 MB of
-# rows ahead of its own (kAloneAheadBytes, norm_plan.h): rows just past that at two slices a lane
+# rows ahead of its own (kAloneAheadBytes, norm_plan.h) and loads it without allocating it in L1:
+# rows just past that at two slices a lane
 # and two rows (512 columns) and at three slices and one row (520), so the last rows' fetches
 # would fall past the end and must be skipped.
 @pytest.mark.parametrize("kind,hidden", [("rms", 512), ("layer", 520)])

@@ -46,5 +46,14 @@ __device__ __forceinline__ void store_16_bytes_no_l1(void* p, uint4 w) {
   asm volatile("st.global.L1::no_allocate.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x),
                "r"(w.y), "r"(w.z), "r"(w.w));
 }
+// 16 bytes from p (16-byte aligned) in one load not allocated in L1 (ld.global.L1::no_allocate):
+// the lean norm forward's x where the call outgrows the L2 (norm_fast.cuh says what it bought).
+__device__ __forceinline__ uint4 load_16_bytes_no_l1(const void* p) {
+  uint4 w;
+  asm("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+      : "l"(p));
+  return w;
+}
 
 }  // namespace ssm

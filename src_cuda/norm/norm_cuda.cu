@@ -370,11 +370,13 @@ FastFwdInputs fast_fwd_inputs(const NormArgs& a, LeanDtypes d, int threads) {
 }
 
 // How far ahead the lean forward fetches x (and the residual) into L2 (norm_plan.h): the prenorm
-// kernel always, the norm alone where x and y outgrow the device's L2.
+// kernel always, the norm alone of 16-bit rows where x and y outgrow the device's L2.
 int64_t lean_fwd_ahead_bytes(const NormArgs& a, FastFwdInputs inputs, int device) {
   if (inputs == kFwdPrenorm) return kPrenormAheadBytes;
   const int64_t bytes = 2 * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice);
-  return inputs == kFwdAlone && bytes > l2_cache_bytes(device) ? kAloneAheadBytes : 0;
+  return inputs == kFwdAlone && a.x.dtype != Dtype::F32 && bytes > l2_cache_bytes(device)
+             ? kAloneAheadBytes
+             : 0;
 }
 
 // The held forward's plan (norm_plan.h) for a lean call without a gate: the slices a thread
