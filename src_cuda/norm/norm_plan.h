@@ -109,8 +109,9 @@ __host__ __device__ constexpr int fast_fwd_rows(FastFwdInputs inputs, int slices
 // (kAloneAheadBytes).
 constexpr int64_t kPrenormAheadBytes = int64_t(1) << 20;
 // The norm alone's lean kernel fetches 4 MB of x ahead where x and y together (16-bit) are more
-// bytes than the L2 holds, and then loads x without allocating it in L1 (norm_fast.cuh); where they fit, they stay in L2 from one call to the next and fetching
-// ahead pushed them out (one H100, % of copy, direct timing, bf16, float32 weight, 32768 rows,
+// bytes than the L2 holds, and then loads x without allocating it in L1 (norm_fast.cuh); where
+// they fit, they stay in L2 from one call to the next and fetching ahead pushed them out (one
+// H100, % of copy, direct timing, bf16, float32 weight, 32768 rows,
 // none / 4 MB: RMSNorm alone 104.7-105.5 / 106.1-108.6 at 256 columns but 89.2-89.8 / 85.1-85.5
 // at 384). Past the L2: RMSNorm alone 79.6-80.5 / 80.8-82.7 at 448 columns, 78.8-79.2 / 82.1-83.0
 // at 512, 82.6-83.6 / 83.5-84.6 at 640, 84.5-85.4 / 87.1-87.5 at 768; LayerNorm alone 75.7-76.3
