@@ -701,12 +701,13 @@ def test_extreme_rows(pattern, kind, hidden, dtype, seed):
                    libssm.NormGrads(*(None if g is None else g.cpu() for g in grads)))
 
 
-# Where x and y together outgrow the L2, the norm alone's lean forward fetches x into L2 4 MB of
-# rows ahead of its own (kAloneAheadBytes, norm_plan.h) and loads it without allocating it in L1:
-# rows just past that at two slices a lane
-# and two rows (512 columns) and at three slices and one row (520), so the last rows' fetches
-# would fall past the end and must be skipped.
-@pytest.mark.parametrize("kind,hidden", [("rms", 512), ("layer", 520)])
+# Where x and y together outgrow the L2, the norm alone's forwards fetch x into L2 4 MB of rows
+# ahead of their own (kAloneAheadBytes, kPlainAheadBytes, norm_plan.h), the lean one loading it
+# without allocating it in L1: rows just past that at two slices a lane and two rows (512
+# columns), at three slices and one row (520), and in the plain forward's CTAs (1032 columns, 129
+# slices; 1536), so the last rows' fetches would fall past the end and must be skipped.
+@pytest.mark.parametrize("kind,hidden", [("rms", 512), ("layer", 520), ("rms", 1032),
+                                         ("layer", 1536)])
 def test_norm_alone_past_the_l2(kind, hidden, seed):
     rows = torch.cuda.get_device_properties(0).L2_cache_size // (2 * 2 * hidden) + 1001
     case = (LAYER if kind == "layer" else BASE).replace(hidden=hidden, lead=(rows,))

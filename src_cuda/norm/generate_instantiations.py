@@ -71,7 +71,7 @@ def main():
         if dt == rt and DTYPES[dt] != "f32":
             write("norm_fwd_plain_%s.cu" % tag, "the plain fused-norm forward, %s." % rows,
                   ["template cudaError_t launch_norm_fwd_plain<%d>(const NormArgs&,"
-                   " NormPlan&, int, int, cudaStream_t);" % dt],
+                   " NormPlan&, int, int, int64_t,\n%44scudaStream_t);" % (dt, "")],
                   header="norm_plain.cuh")
         if DTYPES[dt] != "f32":
             write("norm_fwd_ring_%s.cu" % tag, "the ring fused-norm forward, %s." % rows,

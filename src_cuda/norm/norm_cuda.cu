@@ -369,12 +369,17 @@ FastFwdInputs fast_fwd_inputs(const NormArgs& a, LeanDtypes d, int threads) {
   return threads == 32 && prenorm_call(a, d) ? kFwdPrenorm : kFwdResidual;
 }
 
+// Whether x and y, the norm alone's bytes, are more than the device's L2 holds: then they do not
+// stay there from one call to the next, and its forwards fetch x ahead of the rows they take.
+bool outgrows_l2(const NormArgs& a, int device) {
+  return 2 * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice) > l2_cache_bytes(device);
+}
+
 // How far ahead the lean forward fetches x (and the residual) into L2 (norm_plan.h): the prenorm
-// kernel always, the norm alone of 16-bit rows where x and y outgrow the device's L2.
+// kernel always, the norm alone of 16-bit rows past the L2.
 int64_t lean_fwd_ahead_bytes(const NormArgs& a, FastFwdInputs inputs, int device) {
   if (inputs == kFwdPrenorm) return kPrenormAheadBytes;
-  const int64_t bytes = 2 * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice);
-  return inputs == kFwdAlone && a.x.dtype != Dtype::F32 && bytes > l2_cache_bytes(device)
+  return inputs == kFwdAlone && a.x.dtype != Dtype::F32 && outgrows_l2(a, device)
              ? kAloneAheadBytes
              : 0;
 }
@@ -574,9 +579,13 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   }
   const int plain = lean.ok ? plain_plan(a, lean, device, p) : 0;
   if (plain > 0) {
-    const cudaError_t err = Dtype(lean.dt) == Dtype::F16
-                                ? launch_norm_fwd_plain<int(Dtype::F16)>(a, p, plain, sms, s)
-                                : launch_norm_fwd_plain<int(Dtype::BF16)>(a, p, plain, sms, s);
+    // kPlainAheadBytes ahead from kPlainAheadSlices, and past the L2 (norm_plan.h).
+    const int64_t ahead =
+        nslices >= kPlainAheadSlices || outgrows_l2(a, device) ? kPlainAheadBytes : 0;
+    const cudaError_t err =
+        Dtype(lean.dt) == Dtype::F16
+            ? launch_norm_fwd_plain<int(Dtype::F16)>(a, p, plain, sms, ahead, s)
+            : launch_norm_fwd_plain<int(Dtype::BF16)>(a, p, plain, sms, ahead, s);
     // Otherwise not one cluster fits on this device: the kernels below.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
   }

@@ -346,6 +346,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   auto ok = [&](int i, int k) { return row_ok[i] && valid[k]; };
 
   // x, residual and z as loaded (16-bit ones packed): every load is issued before any is used.
+  const LoadHint x_hint = D != Dtype::F32 && a.x_no_l1 ? LoadHint::kNoL1 : LoadHint::kCached;
   Slice xs[R][K], rs[R][K], zs[R][K];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
@@ -354,14 +355,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) xs[i][k][e] = 0.f, rs[i][k][e] = 0.f, zs[i][k][e] = 0.f;
       if (!ok(i, k)) continue;
-      if (D != Dtype::F32 && a.x_no_l1) {
-        const uint4 raw = load_16_bytes_no_l1(static_cast<const uint16_t*>(a.x) +
-                                              offset(a.x_stride, i, k));
-        xs[i][k][0] = __uint_as_float(raw.x), xs[i][k][1] = __uint_as_float(raw.y);
-        xs[i][k][2] = __uint_as_float(raw.z), xs[i][k][3] = __uint_as_float(raw.w);
-      } else {
-        fetch_slice(a.x, D, offset(a.x_stride, i, k), kSlice, true, xs[i][k]);
-      }
+      fetch_slice(a.x, D, offset(a.x_stride, i, k), kSlice, true, xs[i][k], x_hint);
       if (residual)
         fetch_slice(a.residual, S, offset(a.residual_stride, i, k), kSlice, true, rs[i][k]);
       if (kGate) fetch_slice(a.z, D, offset(a.z_stride, i, k), kSlice, true, zs[i][k]);
@@ -617,6 +611,11 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
   const int64_t step = row_step(a, p, at, kCluster);
   const float inv_len = 1.f / float(a.group_size);
   const bool dres_in = a.dresidual_out.present();
+  // x, dy and z loaded and dx and dz stored without allocating them in L1, beside dresidual_out
+  // only up to kBwdNoL1StreamSlices (norm_plan.h).
+  const bool no_l1 = !dres_in || p.nslices <= kBwdNoL1StreamSlices;
+  const LoadHint in_hint = no_l1 ? LoadHint::kNoL1 : LoadHint::kCached;
+  const StoreHint out_hint = no_l1 ? StoreHint::kNoL1 : StoreHint::kCached;
 
   bool valid[K];
   int64_t col[K];
@@ -652,10 +651,10 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       if (!valid[k]) continue;
-      fetch_slice(a.x.data, R, r * a.x.stride[0] + col[k], kSlice, true, xs[k]);
-      fetch_slice(a.dy.data, D, r * a.dy.stride[0] + col[k], kSlice, true, dys[k]);
+      fetch_slice(a.x.data, R, r * a.x.stride[0] + col[k], kSlice, true, xs[k], in_hint);
+      fetch_slice(a.dy.data, D, r * a.dy.stride[0] + col[k], kSlice, true, dys[k], in_hint);
       if (kGate != kNoGate)
-        fetch_slice(a.z.data, D, r * a.z.stride[0] + col[k], kSlice, true, zs[k]);
+        fetch_slice(a.z.data, D, r * a.z.stride[0] + col[k], kSlice, true, zs[k], in_hint);
     }
   };
 
@@ -759,7 +758,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
         if (kFull) acc[M - 1] += dye[k][e];
       }
       if (kGate == kGateAfter && valid[k] && row_ok && a.dz.present())
-        store_slice(a.dz.data, D, r * a.dz.stride[0] + col[k], kSlice, true, gate[k]);
+        store_slice(a.dz.data, D, r * a.dz.stride[0] + col[k], kSlice, true, gate[k], out_hint);
     }
     if (kFull) fetch_dres();
     segment_sum(acc, T, red[phase], true);
@@ -788,9 +787,9 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_bwd_fast_kernel(const No
         wdy[k][e] = dres_in ? ds + wdy[k][e] : ds;
       }
       if (kGate == kGateFirst && a.dz.present())
-        store_slice(a.dz.data, D, r * a.dz.stride[0] + col[k], kSlice, true, z);
+        store_slice(a.dz.data, D, r * a.dz.stride[0] + col[k], kSlice, true, z, out_hint);
       if (a.dx.present())
-        store_slice(a.dx.data, D, r * a.dx.stride[0] + col[k], kSlice, true, wdy[k]);
+        store_slice(a.dx.data, D, r * a.dx.stride[0] + col[k], kSlice, true, wdy[k], out_hint);
       if (a.dresidual.present())
         store_slice(a.dresidual.data, R, r * a.dresidual.stride[0] + col[k], kSlice, true,
                     wdy[k]);

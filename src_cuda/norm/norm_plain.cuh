@@ -152,20 +152,19 @@ PlainKernel plain_kernel(bool layer, int slices, bool wide) {
 
 template <int kDt>
 cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, int sms,
-                                  cudaStream_t stream) {
+                                  int64_t ahead_bytes, cudaStream_t stream) {
   constexpr int N = kPlainNarrowThreads;
   const bool wide = slices == 8 ? p.threads > N / 2 : p.threads > N;
   const bool cluster = p.cluster > 1;
   const PlainKernel k = cluster ? plain_kernel<kDt, true>(a.layer_norm, slices, wide)
                                 : plain_kernel<kDt, false>(a.layer_norm, slices, wide);
-  // From 512 slices a block fetches into L2 its share of the row one wave of blocks ahead where
-  // the kernel streams x and y past the caches, else kPlainAheadBytes of x ahead, at most a wave
-  // (norm_plan.h).
+  // A block fetches into L2 its share of the row one wave of blocks ahead where the kernel
+  // streams x and y past the caches, else the row ahead_bytes of x ahead, at most a wave.
   const int wave = sms * k.per_sm / p.cluster;
   const int64_t row_bytes = int64_t(p.nslices) * 16;  // of x, 16-bit
   int ahead = 0;
-  if (p.nslices >= 512)
-    ahead = k.streams ? wave : int(std::clamp<int64_t>(kPlainAheadBytes / row_bytes, 1, wave));
+  if (ahead_bytes > 0)
+    ahead = k.streams ? wave : int(std::clamp<int64_t>(ahead_bytes / row_bytes, 1, wave));
   return cluster ? launch_rows<true>(k.kernel, a, p, sms, stream, 0, false, ahead)
                  : launch_rows<false>(k.kernel, a, p, sms, stream, 0, false, ahead);
 }

@@ -139,6 +139,21 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
 // Both leave the CTAs an SM as they were: 128 registers a thread already hold them to
 // 65536 / (128 * block).
 constexpr int kFastBwdSlices = 2;
+// The lean backward loads x, dy and z and stores dx and dz without allocating them in L1
+// (ld/st.global.L1::no_allocate), beside dresidual_out only up to kBwdNoL1StreamSlices (256
+// 16-bit columns). One H100, % of copy, direct timing, bf16, float32 weight, 32768 rows, one
+// process each, allocated / not: RMSNorm alone 49.8-49.9 / 56.8-57.6 at 256 columns, 65.7-66.3 /
+// 67.1-67.6 at 512, 73.1-73.2 / 77.2-77.3 at 1024, 79.8-80.4 / 85.4-85.6 at 2048, 85.8-85.9 /
+// 90.8-90.9 at 4096, level at 8192; LayerNorm alone 43.1-43.2 / 49.7-50.0, 62.6-62.8 / 63.0,
+// 69.1-69.6 / 72.5-72.6, 74.9-75.0 / 81.8-82.0, 81.8-82.1 / 88.2; gated RMSNorm, x and dy (z
+// and dz too) 59.5-59.7 / 59.7-60.0 (60.9-61.2) at 256, 70.8-71.2 / 73.0-73.1 (74.8-75.2) at 512,
+// 79.1-79.2 / 83.7-83.8 (84.4-84.5) at 1024, 86.1 / 88.8-89.0 at 2048, 90.0-90.3 / 92.5-92.8 at
+// 4096 and 8192. RMSNorm + residual (bf16, with dresidual_out) 56.8-57.0 / 71.3-72.5 at 256,
+// but 73.5-73.8 / 72.4-72.5 at 512, 85.1 / 83.9-84.0 at 1024, 93.4 / 91.7 at 2048, 97.0 /
+// 95.4-95.7 at 8192; beside a float32 stream within half a point at every width. dresidual_out
+// loaded and dresidual stored so too lost 1-4 points more there. Where a call fits the L2
+// (4096 rows) level, but for gated rows of 1024 columns (44.4-44.5 / 46.5-46.7).
+constexpr int kBwdNoL1StreamSlices = 32;
 inline bool bwd_stashes_scale(const NormArgs& a, bool same_dtype) {
   return same_dtype && (a.layer_norm || a.dbias.present() || a.z.present());
 }
@@ -246,9 +261,10 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int
 // columns, 84 / 88 at 5120, 89 / 92 at 6144, 87 / 92 at 10240, 91 / 93 at 12288, level at 7168
 // and 14336; RMSNorm on clusters 91 / 95 at 20480 (two CTAs of 1280 slices in 160 threads), 92
 // / 94 at 24576, level elsewhere.
-// From 512 slices each block also fetches into L2 its share of a row ahead (a bulk prefetch): where
-// the kernel streams x and y past the caches (a LayerNorm's wide blocks) the row one wave of blocks
-// ahead will take, else the row kPlainAheadBytes of x ahead (at most a wave). One H200, % of copy,
+// From kPlainAheadSlices (and below them past the L2) each block also fetches into L2 its share
+// of a row ahead (a bulk prefetch): where the kernel streams x and y past the caches (a
+// LayerNorm's wide blocks) the row one wave of blocks ahead will take, else the row
+// kPlainAheadBytes of x ahead (at most a wave). One H200, % of copy,
 // none / a wave ahead: LayerNorm 83 / 86 at 12288 and 84 / 86 at 16384, RMSNorm 92 / 95 at 16384,
 // and in clusters 66-82 / 81-93 (RMSNorm, 20480 to 65536 columns); at 8192 columns it lost (91 /
 // 87), and two waves ahead lost everywhere (67-77). On one H100 (direct timing, three runs;
@@ -270,16 +286,25 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int
 // From 512 slices rather than past 1024, 4 MB ahead (one H100, direct, none / 4 MB): RMSNorm
 // 98.1 / 99.0 at 4096 columns, 97.4 / 97.9 at 6144, 98.6 / 99.3 at 8192; LayerNorm 96.5 / 97.3,
 // 96.2 / 97.1, 96.8 / 97.6.
+// Below kPlainAheadSlices, where x and y outgrow the device's L2, 4 MB ahead too: one H100, %
+// of copy, direct timing, bf16, float32 weight, 32768 rows, none / 4 MB (1, 2 and 8 MB within
+// half a point of 4): RMSNorm 88.8-89.1 / 90.5-90.6 at 1024 columns, 95.2-95.7 / 96.7 at 2048,
+// 96.9-97.1 / 97.6-97.9 at 3072; LayerNorm 87.0 / 88.6-88.7, 94.0-94.4 / 95.4-95.5, 96.4-96.6 /
+// 97.5-97.6. Where they fit (6144 rows) it moved -0.8 to +1.5. Loading x without allocating it
+// in L1 as well (as the lean kernel does past the L2) lost 3-5 points.
 constexpr int kPlainMinSlices = 128, kPlainNarrowThreads = 256, kPlainCtaSlices = 2048;
+constexpr int kPlainAheadSlices = 512;
 constexpr int kPlainLayerCtaSlices = 1024;
 constexpr int64_t kPlainAheadBytes = int64_t(4) << 20;
 inline int plain_slices(bool layer_norm, int share) {
   if (share < 512 || (!layer_norm && (share & (share - 1)) == 0)) return 4;
   return 8;
 }
+// `ahead_bytes`: how far ahead of its row a block fetches x into L2, 0 for not at all (a kernel
+// that streams x and y fetches a wave of blocks ahead instead).
 template <int kDt>
 cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, int sms,
-                                  cudaStream_t stream);
+                                  int64_t ahead_bytes, cudaStream_t stream);
 
 // The ring backward (norm_ring.cuh): whole rows of 16-bit x and dy without a residual stream or
 // a gate from kRingAloneMinSlices slices (past 4096 columns), beside a float32 stream from

@@ -22,17 +22,32 @@ constexpr int kSlice = 8;
 // 16-byte alignment and a whole slice.
 //
 // fetch_slice leaves float32 values in place, and 16-bit ones packed two to a register in
-// v[0..3]; widen_slice unpacks those from the back, so no second buffer is needed.
+// v[0..3]; widen_slice unpacks those from the back, so no second buffer is needed. A `vec` slice
+// is loaded as `hint` says: through L1, or not allocated in it (load_16_bytes_no_l1,
+// device_dtype.cuh).
+enum class LoadHint { kCached, kNoL1 };
 __device__ __forceinline__ void fetch_slice(const void* p, Dtype d, int64_t i, int n, bool vec,
-                                            float (&v)[kSlice]) {
+                                            float (&v)[kSlice],
+                                            LoadHint hint = LoadHint::kCached) {
+  const bool no_l1 = hint == LoadHint::kNoL1;
   if (vec) {
     if (d == Dtype::F32) {
       const float4* q = reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
-      const float4 a = q[0], b = q[1];
+      float4 a, b;
+      if (no_l1) {
+        const uint4 ua = load_16_bytes_no_l1(q), ub = load_16_bytes_no_l1(q + 1);
+        a = make_float4(__uint_as_float(ua.x), __uint_as_float(ua.y), __uint_as_float(ua.z),
+                        __uint_as_float(ua.w));
+        b = make_float4(__uint_as_float(ub.x), __uint_as_float(ub.y), __uint_as_float(ub.z),
+                        __uint_as_float(ub.w));
+      } else {
+        a = q[0], b = q[1];
+      }
       v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
       v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
     } else {
-      const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p) + i);
+      const uint4* q = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p) + i);
+      const uint4 raw = no_l1 ? load_16_bytes_no_l1(q) : *q;
       v[0] = __uint_as_float(raw.x), v[1] = __uint_as_float(raw.y);
       v[2] = __uint_as_float(raw.z), v[3] = __uint_as_float(raw.w);
     }

@@ -2,5 +2,6 @@
 #include "../norm_plain.cuh"
 
 namespace ssm {
-template cudaError_t launch_norm_fwd_plain<1>(const NormArgs&, NormPlan&, int, int, cudaStream_t);
+template cudaError_t launch_norm_fwd_plain<1>(const NormArgs&, NormPlan&, int, int, int64_t,
+                                            cudaStream_t);
 }  // namespace ssm
