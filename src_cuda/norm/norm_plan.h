@@ -150,9 +150,12 @@ constexpr int kFastBwdSlices = 2;
 // 79.1-79.2 / 83.7-83.8 (84.4-84.5) at 1024, 86.1 / 88.8-89.0 at 2048, 90.0-90.3 / 92.5-92.8 at
 // 4096 and 8192. RMSNorm + residual (bf16, with dresidual_out) 56.8-57.0 / 71.3-72.5 at 256,
 // but 73.5-73.8 / 72.4-72.5 at 512, 85.1 / 83.9-84.0 at 1024, 93.4 / 91.7 at 2048, 97.0 /
-// 95.4-95.7 at 8192; beside a float32 stream within half a point at every width. dresidual_out
-// loaded and dresidual stored so too lost 1-4 points more there. Where a call fits the L2
-// (4096 rows) level, but for gated rows of 1024 columns (44.4-44.5 / 46.5-46.7).
+// 95.4-95.7 at 8192. dresidual_out loaded and dresidual stored so too lost 1-4 points more
+// there. Where a call fits the L2 (4096 rows) level, but for gated rows of 1024 columns
+// (44.4-44.5 / 46.5-46.7). Beside a float32 stream (bf16 x): with dresidual_out within half a
+// point at every width; without it (bench_norm.py's LayerNorm row, TB/s, two runs) 2.06 / 2.12
+// at 256 columns, 2.41 / 2.45 at 512, 2.59 / 2.65 at 1024, 2.16-2.18 / 2.16-2.17 at 2048 and
+// 2.31 / 2.32 at 4096.
 constexpr int kBwdNoL1StreamSlices = 32;
 inline bool bwd_stashes_scale(const NormArgs& a, bool same_dtype) {
   return same_dtype && (a.layer_norm || a.dbias.present() || a.z.present());
