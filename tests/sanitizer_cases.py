@@ -230,11 +230,15 @@ def run_norm_cases():
 # every cluster walks its ring of stages more than once.
 NORM_STREAM_CASES = [
     (33, 4096, "layer", torch.bfloat16, True),
-    # The lean backward's one slice a thread (up to 128 slices): 49 slices in 64 threads, two
+    # The lean backward's one slice a thread (up to 512 slices): 49 slices in 64 threads, two
     # rows a CTA; 128 in 128; one slice a segment, 128 rows a CTA.
     (37, 392, "layer", torch.bfloat16, True),
     (9, 1024, "rms", torch.float16, False),
     (300, 8, "layer", torch.bfloat16, True),
+    # Past 128 slices, one segment a CTA: 257 slices in 512 threads, 385 in 512, 512 in 512.
+    (7, 2056, "layer", torch.bfloat16, True),
+    (13, 3080, "layer", torch.bfloat16, False),
+    (9, 4096, "rms", torch.float16, True),
     # The lean forward's three slices a lane beside the stream: 41 slices, 65.
     (19, 328, "layer", torch.bfloat16, True),
     (9, 520, "rms", torch.float16, False),
