@@ -441,9 +441,10 @@ MIXES = {
 # Beside a float32 stream the lean backward keeps one slice a thread up to 512 slices
 # (bwd_one_slice, norm_plan.h): the rows up to 1000 columns, one slice a segment (8 columns, 128
 # rows a CTA), two groups of 128 slices, and one segment a CTA from 129 slices (2048 columns in
-# 256 threads, 385 slices in 512 with the last 127 threads idle, and 512 in 512). The lean
-# forward takes three slices a lane there at 41 slices (16 lanes a segment) and 65 (lane 0
-# holding a third).
+# 256 threads, 385 slices in 512 with the last 127 threads idle, and 512 in 512); LayerNorm
+# with dresidual_out fetches rows ahead into L2 at 385 and 161 slices (stream_ahead,
+# norm_fast.cuh), where the rows outnumber two strides of its grid. The lean forward takes three
+# slices a lane there at 41 slices (16 lanes a segment) and 65 (lane 0 holding a third).
 @pytest.mark.parametrize("case", [GATED.replace(bias=True),
                                   BASE.replace(hidden=8, residual=True, prenorm=True,
                                                lead=(300,)),
@@ -464,6 +465,10 @@ MIXES = {
                                   LAYER.replace(hidden=2048, residual=True, prenorm=True,
                                                 lead=(33,)),
                                   LAYER.replace(hidden=3080, residual=True, lead=(13,)),
+                                  LAYER.replace(hidden=3080, residual=True, prenorm=True,
+                                                lead=(400,)),
+                                  LAYER.replace(hidden=1288, residual=True, prenorm=True,
+                                                lead=(600,)),
                                   BASE.replace(hidden=4096, residual=True, prenorm=True,
                                                lead=(9,)),
                                   LAYER.replace(hidden=8192, residual=True, prenorm=True,
