@@ -176,6 +176,7 @@ inline size_t bwd_stash_bytes(const NormArgs& a, const NormPlan& p, bool same_dt
 // and 200.4 at 1024. Wider rows, at the CTAs that fit (bench_norm.py's LayerNorm row, TB/s, two
 // slices / one, two runs): 2.15-2.17 / 2.75-2.76 at 2048 columns, 2.32 / 2.41 at 3072, 2.31 /
 // 2.61 at 4096 (torch.compile 2.51 and 2.67); up to 2048 columns only, 4096 read 2.30-2.34.
+// Grids of four to eight CTAs an SM's worth of rows lost there, 3-26 points of copy at 1024-4096.
 constexpr int kBwdOneSliceMaxSlices = 512, kBwdOneSliceSmThreads = 2048;
 // rows: dy's dtype (the lean backward's kDt); stream: that of x, the stream s (kRt).
 inline bool bwd_one_slice(Dtype rows, Dtype stream, int64_t nslices, int cluster) {
