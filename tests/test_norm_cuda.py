@@ -438,6 +438,10 @@ MIXES = {
 }
 
 
+def _beside_residual(case, hidden, rows, **changes):
+    return case.replace(hidden=hidden, residual=True, lead=(rows,), **changes)
+
+
 # Beside a float32 stream the lean backward keeps one slice a thread up to 512 slices
 # (bwd_one_slice, norm_plan.h): the rows up to 1000 columns, one slice a segment (8 columns, 128
 # rows a CTA), two groups of 128 slices, and one segment a CTA from 129 slices (2048 columns in
@@ -446,36 +450,23 @@ MIXES = {
 # norm_fast.cuh), where the rows outnumber two strides of its grid. The lean forward takes three
 # slices a lane there at 41 slices (16 lanes a segment) and 65 (lane 0 holding a third).
 @pytest.mark.parametrize("case", [GATED.replace(bias=True),
-                                  BASE.replace(hidden=8, residual=True, prenorm=True,
-                                               lead=(300,)),
-                                  LAYER.replace(hidden=2048, group_size=1024, residual=True,
-                                                lead=(7,)),
-                                  BASE.replace(hidden=200, residual=True, prenorm=True,
-                                               lead=(45,)),
-                                  BASE.replace(hidden=512, residual=True, prenorm=True,
-                                               lead=(21,)),
-                                  BASE.replace(hidden=1000, residual=True, prenorm=True,
-                                               lead=(11,)),
-                                  LAYER.replace(hidden=392, residual=True, prenorm=True,
-                                                lead=(11,)),
-                                  LAYER.replace(hidden=776, residual=True, lead=(13,)),
-                                  LAYER.replace(hidden=328, residual=True, prenorm=True,
-                                                lead=(19,)),
-                                  BASE.replace(hidden=520, residual=True, lead=(9,)),
-                                  LAYER.replace(hidden=2048, residual=True, prenorm=True,
-                                                lead=(33,)),
-                                  LAYER.replace(hidden=3080, residual=True, lead=(13,)),
-                                  LAYER.replace(hidden=3080, residual=True, prenorm=True,
-                                                lead=(400,)),
-                                  LAYER.replace(hidden=1288, residual=True, prenorm=True,
-                                                lead=(600,)),
-                                  BASE.replace(hidden=4096, residual=True, prenorm=True,
-                                               lead=(9,)),
-                                  LAYER.replace(hidden=8192, residual=True, prenorm=True,
-                                                lead=(5,)),
-                                  LAYER.replace(hidden=4097, residual=True, z=True, lead=(9,)),
-                                  BASE.replace(hidden=20000, residual=True, bias=True,
-                                               lead=(3,))], ids=case_id)
+                                  _beside_residual(BASE, 8, 300, prenorm=True),
+                                  _beside_residual(LAYER, 2048, 7, group_size=1024),
+                                  _beside_residual(BASE, 200, 45, prenorm=True),
+                                  _beside_residual(BASE, 512, 21, prenorm=True),
+                                  _beside_residual(BASE, 1000, 11, prenorm=True),
+                                  _beside_residual(LAYER, 392, 11, prenorm=True),
+                                  _beside_residual(LAYER, 776, 13),
+                                  _beside_residual(LAYER, 328, 19, prenorm=True),
+                                  _beside_residual(BASE, 520, 9),
+                                  _beside_residual(LAYER, 2048, 33, prenorm=True),
+                                  _beside_residual(LAYER, 3080, 13),
+                                  _beside_residual(LAYER, 3080, 400, prenorm=True),
+                                  _beside_residual(LAYER, 1288, 600, prenorm=True),
+                                  _beside_residual(BASE, 4096, 9, prenorm=True),
+                                  _beside_residual(LAYER, 8192, 5, prenorm=True),
+                                  _beside_residual(LAYER, 4097, 9, z=True),
+                                  _beside_residual(BASE, 20000, 3, bias=True)], ids=case_id)
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_dtype_mixes(mix, case, seed):
     m = MIXES[mix]
