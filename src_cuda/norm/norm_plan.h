@@ -166,16 +166,17 @@ inline size_t bwd_stash_bytes(const NormArgs& a, const NormPlan& p, bool same_dt
          (a.z.present() && !a.norm_before_gate ? 2 * per_value : 0);
 }
 // Beside a float32 stream (16-bit dy, no cluster) up to kBwdOneSliceMaxSlices slices (4096
-// columns) it keeps one slice a thread instead: 92-96 registers against 128, five CTAs of 128
-// threads an SM against four, its persistent grid lowered to those that fit (the workspace is
-// sized for the threads an SM can hold, kBwdOneSliceSmThreads). One H100, kernel time
-// (torch.profiler), LayerNorm of bf16 x beside a float32 stream, 32768 rows, two slices / one:
+// columns) it keeps one slice a thread instead: 90 registers (RMSNorm) or 102 (LayerNorm)
+// against 128, five or four CTAs of 128 threads an SM, its persistent grid lowered to those that
+// fit (the workspace is sized for the threads an SM can hold, kBwdOneSliceSmThreads). One H100,
+// kernel time (torch.profiler), LayerNorm of bf16 x beside a float32 stream, 32768 rows, two
+// slices / one:
 // 98.3-99.3 / 74.8-74.9 us at 384 columns, 187.0-187.2 / 141.3 at 768, 241.7-242.3 / 193.1-193.3
 // at 1024 (torch.compile's backward: 75.5 + 17.5 and 203.2 + 21.1 us for its two reductions).
 // A grid of six or eight CTAs an SM instead of the five that fit: 92.4 and 82.2 us at 384, 227.4
 // and 200.4 at 1024. Wider rows, at the CTAs that fit (bench_norm.py's LayerNorm row, TB/s, two
 // slices / one, two runs): 2.15-2.17 / 2.75-2.76 at 2048 columns, 2.32 / 2.41 at 3072, 2.31 /
-// 2.61 at 4096 (torch.compile 2.51 and 2.67); up to 2048 columns only, 4096 read 2.30-2.34.
+// 2.61 at 4096 (torch.compile 2.51 and 2.67); with the limit at 256 slices, 4096 read 2.30-2.34.
 // Grids of four to eight CTAs an SM's worth of rows lost there, 3-26 points of copy at 1024-4096.
 constexpr int kBwdOneSliceMaxSlices = 512, kBwdOneSliceSmThreads = 2048;
 // rows: dy's dtype (the lean backward's kDt); stream: that of x, the stream s (kRt).
