@@ -113,6 +113,11 @@ NORM_CASES = [
     (37, 392, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, None),
     (11, 776, 0, "layer", torch.float16, torch.float16, False, True, 8, None),
     (9, 1000, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
+    # Gated rows with the gate first there: two slices a lane at 56 slices, three at 41 beside a
+    # residual of x's dtype (16 lanes, 0-8 holding a third) and at 95 (lane 31 holding two).
+    (37, 448, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
+    (21, 328, 0, "layer", torch.float16, torch.float16, True, False, 0, torch.float16),
+    (9, 760, 0, "rms", torch.bfloat16, torch.bfloat16, True, False, 0, None),
     # The prenorm RMSNorm forward: 25 slices in a warp with a float32 weight, the last group of
     # four rows short; two slices a lane; four (125 slices, lanes 29-31 holding three; 65, lane 0
     # holding a third; two groups of 128); float32 rows; and the same call beside a float32

@@ -308,10 +308,16 @@ bool prenorm_call(const NormArgs& a, LeanDtypes d) {
          !a.layer_norm && plain_weight;
 }
 
-// The lean forward's slices a lane (norm_plan.h) for a lean call, or 0 where it does not take it:
-// 1 up to kFastFwdSlices slices; for 16-bit rows without a gate, 2 up to twice that and 4 up to
-// four times that for the prenorm call, beside a float32 stream, and without a residual below the
-// plain forward's kPlainMinSlices (plain_plan); the norm alone and the rows beside a float32
+// Whether two slices a lane fill a power-of-two count of lanes: none idle.
+bool whole_pairs(int nslices) {
+  return nslices % 2 == 0 && pow2_at_least(nslices / 2) == nslices / 2;
+}
+
+// The lean forward's slices a lane (norm_plan.h) for a lean call, or 0 where it does not take it: 1
+// up to kFastFwdSlices slices; for gated 16-bit rows (the gate first) 2 or 3 up to three times that
+// (the last item below); for 16-bit rows without a gate, 2 up to twice that and 4 up to four times
+// that for the prenorm call, beside a float32 stream, and without a residual below the plain
+// forward's kPlainMinSlices (plain_plan); the norm alone and the rows beside a float32
 // stream take 3 instead where that leaves fewer lanes idle (264-384 and 520-768 columns: 16
 // lanes a segment at 384, none idle, against 32 lanes of 2 slices, 16 of them idle for the
 // second). One H100, % of copy, direct timing (bf16, float32 weight, 32768 rows), 2 or 4 slices
@@ -335,23 +341,35 @@ bool prenorm_call(const NormArgs& a, LeanDtypes d) {
 // - LayerNorm beside a float32 stream, held / lean: 86.2 / 86.4 at 320 columns, 88.2 / 88.9 at 384
 //   (compile 91.8), 91.3 / 92.6 at 512, 93.5 / 94.0 at 640, 94.5 / 95.0 at 768 (96.9), 94.6 / 95.6
 //   at 1024.
-// - not taken: gated rows (the staged forward before), which lost at two slices a lane: 76.6 /
-//   67.4 at 320, 80.8 / 76.7-77.2 at 384, 82.2 / 84.7-85.1 at 512, and at four: 87.2 / 67.6 at 640,
-//   91.5 / 87.1 at 1024, 100.6 / 89.9 in groups of 1024 (125-160 registers); nor 16-bit rows beside
-//   a residual of their dtype at four outside the prenorm call (level in the residual kernel:
-//   95.1-95.6 / 95.1-95.3 at 1024).
+// - gated 16-bit rows, the gate first (Mamba-2's), up to 3 * kFastFwdSlices slices but for the
+//   staged forward's whole pairs (512 columns; staged_plan): 2 or 3 slices a lane as for the
+//   others, the gate's order compiled in and the weight fetched late (72-80 registers; held to 64
+//   by launch bounds they spilled and lost up to 11 points). One H100, direct, Mamba-2's gated
+//   RMSNorm, staged / lean (torch.compile): 78.1-79.1 / 78.7-79.3 at 320 columns (80.3), 81.7-81.8
+//   / 81.4-81.9 at 384 (85.4), 80.8-81.5 / 83.4-83.6 at 448 (88.2), 86.9-87.4 / 85.0-85.8 at 512
+//   (90.1), 86.7-86.8 / 87.4-87.5 at 576 (92.5), 88.5-88.7 / 88.2-88.8 at 640 (93.4), 90.0-90.1 /
+//   91.0-91.1 at 768 (93.9), 94.7 / 92.9-93.6 at 1024 at four (95.8). Before the gate's order was
+//   compiled in (silu(z) kept in float32 beside s silu(z), 125-160 registers) they lost: 80.8 /
+//   76.7-77.2 at 384, 87.2 / 67.6 at 640 at four. The gate after the norm (96 registers at two) is
+//   not yet measured there and stays with the staged forward.
+// - not taken: 16-bit rows beside a residual of their dtype at four outside the prenorm call (level
+//   in the residual kernel: 95.1-95.6 / 95.1-95.3 at 1024).
 int lean_fwd_slices(const NormArgs& a, LeanDtypes d) {
   const int nslices = slices_of(a);
   if (!d.ok) return 0;
   if (nslices <= kFastFwdSlices) return 1;
-  if (Dtype(d.dt) == Dtype::F32 || a.z.present()) return 0;
+  if (Dtype(d.dt) == Dtype::F32) return 0;
+  auto slots = [&](int k) { return k * pow2_at_least(ceil_div(nslices, k)); };
+  if (a.z.present()) {
+    if (a.norm_before_gate || nslices > 3 * kFastFwdSlices || whole_pairs(nslices)) return 0;
+    return nslices > 2 * kFastFwdSlices || slots(3) < slots(2) ? 3 : 2;
+  }
   const bool alone = !a.residual.present() && !a.residual_out.present();
   const bool four = d.rt != d.dt || (alone ? nslices < kPlainMinSlices : prenorm_call(a, d));
   const int K = nslices <= 2 * kFastFwdSlices ? 2
                 : four && nslices <= 4 * kFastFwdSlices ? 4 : 0;
   // Three slices a lane where they leave fewer lanes idle (the kernels of the norm alone and of
   // a float32 stream take them).
-  auto slots = [&](int k) { return k * pow2_at_least(ceil_div(nslices, k)); };
   const bool three = (alone || d.rt != d.dt) && K > 0 && nslices <= 3 * kFastFwdSlices &&
                      slots(3) < slots(K);
   return three ? 3 : K;
@@ -362,7 +380,7 @@ int lean_fwd_slices(const NormArgs& a, LeanDtypes d) {
 // kernel lost (one H200, % of copy, direct timing, bf16 RMSNorm at 256 columns: 81.2-81.5 in the
 // residual kernel, 79.2-79.3 in the prenorm one at two rows a lane).
 FastFwdInputs fast_fwd_inputs(const NormArgs& a, LeanDtypes d, int threads) {
-  if (a.z.present()) return kFwdGated;
+  if (a.z.present()) return a.norm_before_gate ? kFwdGateAfter : kFwdGateFirst;
   const bool in = a.residual.present(), out = a.residual_out.present();
   if (d.dt != d.rt) return kFwdResidual;
   if (!in && !out) return kFwdAlone;
@@ -495,7 +513,7 @@ NormPlan ring_fwd_shape(const NormArgs& a, int cluster, int K) {
   return p;
 }
 
-// Gated segments the staged forward takes (past the lean forward's kFastFwdSlices) up to 128
+// Gated segments the staged forward takes (those lean_fwd_slices leaves) up to 128
 // slices (1024 16-bit columns) share blocks of 128 threads, and take two slices a thread where
 // that leaves no lane idle (whole_pairs): 512 and 1024 columns. One H100, % of copy, direct
 // timing, Mamba-2's gated RMSNorm (bf16 x and z, float32 weight, 32768 rows), four slices a
@@ -504,9 +522,6 @@ NormPlan ring_fwd_shape(const NormArgs& a, int cluster, int K) {
 // (89.4), 90.9 / 90.5 / 87.7 at 768 (94.0), 92.3 / 92.2 / 94.9 at 1024 (95.7). Blocks of 512
 // threads lost at every width (72.5 at 320, 91.3 at 1024).
 constexpr int kStagedNarrowGatedSlices = 128;
-bool whole_pairs(int nslices) {
-  return nslices % 2 == 0 && pow2_at_least(nslices / 2) == nslices / 2;
-}
 
 bool staged_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   const int nslices = slices_of(a);

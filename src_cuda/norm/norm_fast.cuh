@@ -3,17 +3,17 @@
 // residual_in_fp32). The general kernels (norm_kernels.cuh) spend about 49 instructions an element
 // on their run-time options, re-checked slice by slice, and issue for 60% of the cycles (ncu, 4096
 // bf16 columns), so they cannot reach the bandwidth. These decide the options at compile time or
-// once a row. The forward here takes short segments (up to 256 columns, and up to 512 or 1024
-// 16-bit ones without a gate, lean_fwd_slices in norm_cuda.cu), one, two or four slices a lane and
-// up to four rows a lane at once, the weight loaded once for them; longer ones go to the held,
-// plain, ring or staged forwards. The backward keeps the weight in registers for the whole walk
-// down the rows (a thread's columns never change) and loads the next row while it reduces and
-// stores this one, 2 slices a thread in a CTA of up to 512 threads (8192 16-bit columns); longer
-// segments, up to 65536 columns, are shared by the CTAs of a thread-block cluster (kCluster, sm_90
-// and later; norm_plan.h) that add their partial sums through distributed shared memory, so every
-// row is still read from DRAM once (the norm alone on 16-bit rows past 8192 columns takes the ring
-// backward instead, norm_ring.cuh). Both take the gate where every row-shaped operand has one
-// dtype. Included only by the instantiation files.
+// once a row. The forward here takes short segments (up to 256 columns, and up to 768 16-bit gated
+// ones with the gate first and 512 or 1024 without a gate, lean_fwd_slices in norm_cuda.cu), one to
+// four slices a lane and up to four rows a lane at once, the weight loaded once for them; longer
+// ones go to the held, plain, ring or staged forwards. The backward keeps the weight in registers
+// for the whole walk down the rows (a thread's columns never change) and loads the next row while
+// it reduces and stores this one, 2 slices a thread in a CTA of up to 512 threads (8192 16-bit
+// columns); longer segments, up to 65536 columns, are shared by the CTAs of a thread-block cluster
+// (kCluster, sm_90 and later; norm_plan.h) that add their partial sums through distributed shared
+// memory, so every row is still read from DRAM once (the norm alone on 16-bit rows past 8192
+// columns takes the ring backward instead, norm_ring.cuh). Both take the gate where every
+// row-shaped operand has one dtype. Included only by the instantiation files.
 #pragma once
 
 #include <algorithm>
@@ -322,7 +322,8 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   static_assert(!kPrenorm || (!kLayer && kWt >= 0), "the prenorm kernel is RMSNorm's");
   constexpr int R = fast_fwd_rows(FastFwdInputs(kIn), K, kDt);
   constexpr Dtype D = Dtype(kDt), S = Dtype(kRt);
-  constexpr bool kGate = kIn == kFwdGated;
+  constexpr bool kGate = kIn == kFwdGateFirst || kIn == kFwdGateAfter;
+  constexpr bool kGateFirst = kIn == kFwdGateFirst;
   const int T = kPrenorm ? 32 : a.threads;
   const int shift = kPrenorm ? 5 : __ffs(T) - 1;
   const int lane = threadIdx.x & (T - 1);
@@ -339,7 +340,6 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   const bool residual_out = kPrenorm || (kIn != kFwdAlone && a.residual_out != nullptr);
   // Where slice k of row r0 + i starts in a tensor of row stride `stride`.
   auto offset = [&](int64_t stride, int i, int k) { return r0 * stride + col[k] + i * stride; };
-  const bool gate_first = kGate && !a.norm_before_gate;
   bool row_ok[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) row_ok[i] = r0 + i < a.rows;
@@ -361,14 +361,15 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
       if (kGate) fetch_slice(a.z, D, offset(a.z_stride, i, k), kSlice, true, zs[i][k]);
     }
   }
-  // With a gate, and in the prenorm kernel, the weight (and bias) are fetched here, raw, so their
-  // latency overlaps that of x instead of following the reductions. % of copy, direct timing:
-  // gated rows of 256 columns 80.7 -> 82.5-82.9 (one H100). RMSNorm + residual (bf16, float32
-  // weight) at four slices a lane, 1024 columns: 91.0-91.1 -> 92.5-92.6 on 32768 rows (one H200),
-  // 87.0 -> 96.1 on 2640 rows, whose bytes stay in L2 (one H100; level on 32768 there); at two,
-  // 512 columns: 84.3-84.4 -> 85.6-86.1 (H200), level on the H100; level at 256 on both. In the
-  // residual kernel it moved nothing (-0.9 to +0.7), and the norm alone lost 5-9 points.
-  // The prenorm kernel's lanes 0 to R - 1 fetch into L2 the group's share of x in rows
+  // With a gate at one slice a lane, and in the prenorm kernel, the weight (and bias) are fetched
+  // here, raw, so their latency overlaps that of x instead of following the reductions (gated rows
+  // at two or three slices a lane held 83-132 registers with them, against 72-80). % of copy,
+  // direct timing: gated rows of 256 columns 80.7 -> 82.5-82.9 (one H100). RMSNorm + residual
+  // (bf16, float32 weight) at four slices a lane, 1024 columns: 91.0-91.1 -> 92.5-92.6 on 32768
+  // rows (one H200), 87.0 -> 96.1 on 2640 rows, whose bytes stay in L2 (one H100; level on 32768
+  // there); at two, 512 columns: 84.3-84.4 -> 85.6-86.1 (H200), level on the H100; level at 256 on
+  // both. In the residual kernel it moved nothing (-0.9 to +0.7), and the norm alone lost 5-9
+  // points. The prenorm kernel's lanes 0 to R - 1 fetch into L2 the group's share of x in rows
   // a.ahead_rows past their own, lanes R to 2 R - 1 the residual's (kPrenormAheadBytes says why);
   // the norm alone's lanes 0 to R - 1 x's, where its launcher asks (kAloneAheadBytes).
   if (kPrenorm || (kIn == kFwdAlone && a.ahead_rows > 0)) {
@@ -382,7 +383,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
                        unsigned(a.group_size * bytes));
     }
   }
-  constexpr bool kEarly = kIn == kFwdGated || kPrenorm;
+  constexpr bool kEarly = kPrenorm || (kGate && K == 1);
   const Dtype wt = kWt >= 0 ? Dtype(kWt) : a.weight_dtype;
   Slice we[K], be[K];
   if constexpr (kEarly) {
@@ -414,9 +415,9 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
     }
   };
   constexpr bool kKeep = kIn != kFwdAlone && kDt == kRt;
-  // With a gate, silu(z) is kept in float32 in u and vs holds the value normalised (s silu(z)
-  // where the gate comes first): a sigmoid costs more than the registers.
-  Slice vs[R][K], u[R][K];
+  // With the gate first vs holds s silu(z), the value normalised; with it after, z stays packed
+  // until the output takes its silu (one sigmoid an element either way).
+  Slice vs[R][K];
   if constexpr (kIn != kFwdAlone) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
@@ -431,15 +432,13 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
 #pragma unroll
           for (int e = 0; e < kSlice; ++e) vs[i][k][e] = f[e];
         }
-        if constexpr (kGate) {
+        if constexpr (kGateFirst) {
+          Slice g;
 #pragma unroll
-          for (int e = 0; e < kSlice; ++e) u[i][k][e] = zs[i][k][e];
-          widen_slice(D, true, u[i][k]);
+          for (int e = 0; e < kSlice; ++e) g[e] = zs[i][k][e];
+          widen_slice(D, true, g);
 #pragma unroll
-          for (int e = 0; e < kSlice; ++e) {
-            u[i][k][e] = silu(u[i][k][e]);
-            if (gate_first) vs[i][k][e] *= u[i][k][e];
-          }
+          for (int e = 0; e < kSlice; ++e) vs[i][k][e] *= silu(g[e]);
         }
       }
     }
@@ -545,12 +544,17 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       if (!row_ok[i]) continue;
-      Slice f;
+      Slice f, g;
       value(i, k, f);
+      if constexpr (kGate && !kGateFirst) {
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) g[e] = zs[i][k][e];
+        widen_slice(D, true, g);
+      }
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
         f[e] = (kLayer ? f[e] - mean[i] : f[e]) * rstd[i] * w[e] + b[e];
-        if (kGate && !gate_first) f[e] *= u[i][k][e];
+        if constexpr (kGate && !kGateFirst) f[e] *= silu(g[e]);
       }
       // y (and a 16-bit residual_out above) not allocated in L1. One H100, % of copy, direct
       // timing (bf16, float32 weight, 32768 rows), allocated / not: RMSNorm alone 98.5-100.2 /
@@ -863,6 +867,8 @@ auto fast_fwd_kernel(int slices) {
     if (slices == 2) return norm_fwd_fast_kernel<kDt, kRt, kIn, kLayer, 2, kWt>;
     if constexpr (kMost > 2) {
       if (slices == 3) return norm_fwd_fast_kernel<kDt, kRt, kIn, kLayer, 3, kWt>;
+    }
+    if constexpr (kMost > 3) {
       if (slices == 4) return norm_fwd_fast_kernel<kDt, kRt, kIn, kLayer, 4, kWt>;
     }
   }
@@ -887,9 +893,12 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
       kernel = a.weight.dtype != Dtype::F32
                    ? fast_fwd_kernel<kDt, kRt, kFwdPrenorm, false, 4, kDt>(slices)
                    : fast_fwd_kernel<kDt, kRt, kFwdPrenorm, false, 4, F>(slices);
-    if (inputs == kFwdGated)
-      kernel = L ? fast_fwd_kernel<kDt, kRt, kFwdGated, true, 1>(slices)
-                 : fast_fwd_kernel<kDt, kRt, kFwdGated, false, 1>(slices);
+    if (inputs == kFwdGateFirst)
+      kernel = L ? fast_fwd_kernel<kDt, kRt, kFwdGateFirst, true, 3>(slices)
+                 : fast_fwd_kernel<kDt, kRt, kFwdGateFirst, false, 3>(slices);
+    if (inputs == kFwdGateAfter)
+      kernel = L ? fast_fwd_kernel<kDt, kRt, kFwdGateAfter, true, 1>(slices)
+                 : fast_fwd_kernel<kDt, kRt, kFwdGateAfter, false, 1>(slices);
   }
   FastFwdArgs args(a, p);
   if (ahead_bytes > 0) {

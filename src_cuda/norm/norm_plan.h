@@ -50,8 +50,8 @@ cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 // The lean kernels (norm_fast.cuh). kDt: the dtype of x, y, z, dy and dx; kRt: that of the residual
 // stream (residual and residual_out forward; x, dresidual_out and dresidual backward), kDt too or
 // float32 beside 16-bit kDt. Both take a gate where kDt == kRt. The forward takes segments of up to
-// `slices` * kFastFwdSlices slices, `slices` (1; 2 or 4 for 16-bit rows without a gate,
-// lean_fwd_slices in norm_cuda.cu) a lane and fast_fwd_rows rows a lane at once, in blocks of
+// `slices` * kFastFwdSlices slices, `slices` (1; 2, 3 or 4 for 16-bit rows, lean_fwd_slices in
+// norm_cuda.cu) a lane and fast_fwd_rows rows a lane at once, in blocks of
 // kFastFwdBlock threads, not persistent: p.row_blocks row groups of kFastFwdBlock / p.threads *
 // fast_fwd_rows rows. One H100, % of copy, direct timing (GPU time only), bf16 rows of 256 columns,
 // against the persistent kernel it replaced (one row a lane at a time, the next row's loads in
@@ -78,11 +78,12 @@ cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 // fits on the device.
 constexpr int kFastFwdSlices = 32, kFastFwdBlock = 128;
 // What a lean forward reads beside x, each in a kernel of its own (norm_fast.cuh says why):
-// nothing, a residual and/or residual_out, a gate z (and a residual where given), or the prenorm
-// call of RMSNorm: residual in and residual_out out, all of x's dtype, segments of a whole warp, a
+// nothing, a residual and/or residual_out, a gate z (and a residual where given) before the norm
+// (y = norm(s silu(z)), Mamba-2's) or after it (y = norm(s) silu(z)), or the prenorm call of
+// RMSNorm: residual in and residual_out out, all of x's dtype, segments of a whole warp, a
 // weight of float32 or x's dtype, no bias, not zero-centred (fast_fwd_inputs in norm_cuda.cu
 // decides).
-enum FastFwdInputs { kFwdAlone, kFwdResidual, kFwdGated, kFwdPrenorm };
+enum FastFwdInputs { kFwdAlone, kFwdResidual, kFwdGateFirst, kFwdGateAfter, kFwdPrenorm };
 // Rows a lane takes at once: four in the prenorm kernel for 16-bit rows at one slice a lane (60
 // registers), one at three or four slices a lane (lean_fwd_slices in norm_cuda.cu has three's
 // measurements against two rows), two elsewhere. One H100, % of copy, direct timing,
