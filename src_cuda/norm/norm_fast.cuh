@@ -415,6 +415,12 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
     }
   };
   constexpr bool kKeep = kIn != kFwdAlone && kDt == kRt;
+  // z of slice k of row i, widened to float32.
+  auto gate_value = [&](int i, int k, Slice& g) {
+#pragma unroll
+    for (int e = 0; e < kSlice; ++e) g[e] = zs[i][k][e];
+    widen_slice(D, true, g);
+  };
   // With the gate first vs holds s silu(z), the value normalised; with it after, z stays packed
   // until the output takes its silu (one sigmoid an element either way).
   Slice vs[R][K];
@@ -434,9 +440,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
         }
         if constexpr (kGateFirst) {
           Slice g;
-#pragma unroll
-          for (int e = 0; e < kSlice; ++e) g[e] = zs[i][k][e];
-          widen_slice(D, true, g);
+          gate_value(i, k, g);
 #pragma unroll
           for (int e = 0; e < kSlice; ++e) vs[i][k][e] *= silu(g[e]);
         }
@@ -546,11 +550,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
       if (!row_ok[i]) continue;
       Slice f, g;
       value(i, k, f);
-      if constexpr (kGate && !kGateFirst) {
-#pragma unroll
-        for (int e = 0; e < kSlice; ++e) g[e] = zs[i][k][e];
-        widen_slice(D, true, g);
-      }
+      if constexpr (kGate && !kGateFirst) gate_value(i, k, g);
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
         f[e] = (kLayer ? f[e] - mean[i] : f[e]) * rstd[i] * w[e] + b[e];
