@@ -16,6 +16,8 @@ Rows:
          residual_in_fp32 after the first block), fp32 weight and bias.
 - gated: Mamba-2's gated RMSNorm y = rmsnorm(x * silu(z)) * weight (norm_before_gate=False),
          per group of group_size columns, bf16 x and z, fp32 weight, no residual.
+- gated-after: the same with the gate after the norm, y = rmsnorm(x) * weight * silu(z)
+         (norm_before_gate=True, RMSNormGated's default).
 - rms-plain, layer-plain: the norm alone, as torch.nn.RMSNorm / LayerNorm call it: bf16 x, no
          residual, fp32 weight (and bias for LayerNorm).
 
@@ -52,7 +54,7 @@ torch eager (max error <= 2% of the reference's largest magnitude, finite, same 
 wrong kernel cannot post a fast number: a failing implementation is reported, not timed.
 
     python benchmarks/bench_norm.py [--reps 20] [--rounds 3] [--rows all|quick]
-                                    [--kind rms|layer|gated|all]
+                                    [--kind rms|layer|gated|gated-after|all]
                                     [--hidden 16384,32768]
                                     [--impls libssm,eager,compile,mamba] [--fwd-mode train|infer]
 
@@ -90,7 +92,7 @@ except Exception as e:  # noqa: BLE001 - report why, and still measure the peers
 
 IMPLS = ("libssm", "eager", "compile", "mamba")
 PEERS = ("eager", "compile", "mamba")
-KINDS = ("rms", "layer", "gated", "rms-plain", "layer-plain")
+KINDS = ("rms", "layer", "gated", "gated-after", "rms-plain", "layer-plain")
 RMS_HIDDEN = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 # kind, hidden, group_size (None: one group of hidden columns)
 ALL_ROWS = ([("rms", h, None) for h in RMS_HIDDEN]
@@ -103,7 +105,7 @@ ALL_ROWS = ([("rms", h, None) for h in RMS_HIDDEN]
 QUICK_ROWS = [("rms", 1024, None), ("rms", 4096, None), ("rms", 8192, None),
               ("layer", 8192, None), ("gated", 8192, 1024)]
 DRY_ROWS = [("rms", 256, None), ("layer", 512, None), ("gated", 512, 128),
-            ("rms-plain", 256, None), ("layer-plain", 512, None)]
+            ("gated-after", 384, None), ("rms-plain", 256, None), ("layer-plain", 512, None)]
 TOL = 2e-2  # bf16 outputs: the eager reference rounds x + residual to bf16 before the norm
 COPY_BYTES = 2**29  # 512 MiB each way: far past any L2, so the copy runs at DRAM speed
 
@@ -162,7 +164,7 @@ def make_row(kind, hidden, group_size, max_elements):
     # norm: which normalisation (rms, layer or gated) the row's kind times
     row = dict(kind=kind, norm=kind.split("-")[0], hidden=hidden, rows=rows,
                group_size=group_size, x_dtype=torch.bfloat16, res_dtype=None, z=False,
-               bias=False, prenorm=False, eps=1e-6)
+               bias=False, prenorm=False, norm_before_gate=False, eps=1e-6)
     if kind == "rms":
         row.update(res_dtype=torch.bfloat16, prenorm=True)
     elif kind == "layer":
@@ -171,6 +173,8 @@ def make_row(kind, hidden, group_size, max_elements):
         row.update(bias=True, eps=1e-5)
     elif kind == "gated":  # as Mamba-2's RMSNormGated: no residual, gate applied before the norm
         row.update(z=True, eps=1e-5)
+    elif kind == "gated-after":
+        row.update(z=True, norm_before_gate=True, eps=1e-5)
     return row
 
 
@@ -254,10 +258,11 @@ def reference(x, residual, z, weight, bias, *, kind, eps, group_size, norm_befor
 def make_impl(impl, row, mamba_ln, mamba_gated):
     """-> callable(x, residual, z, weight, bias) -> outputs, or raise why it is unavailable."""
     kind, eps, gs, prenorm = row["norm"], row["eps"], row["group_size"], row["prenorm"]
+    before = row["norm_before_gate"]
     if impl in ("eager", "compile"):
         def fn(x, residual, z, weight, bias):
             return reference(x, residual, z, weight, bias, kind=kind, eps=eps, group_size=gs,
-                             norm_before_gate=False, prenorm=prenorm)
+                             norm_before_gate=before, prenorm=prenorm)
         if impl == "eager":
             return fn
         # One compiled graph per shape, as a model with fixed sizes gets. Resetting dynamo
@@ -271,7 +276,7 @@ def make_impl(impl, row, mamba_ln, mamba_gated):
 
         def fn(x, residual, z, weight, bias):
             out = op(x, weight, bias, residual=residual, z=z, eps=eps, group_size=gs,
-                     norm_before_gate=False, prenorm=prenorm)
+                     norm_before_gate=before, prenorm=prenorm)
             return tuple(out) if prenorm else (out,)
         return fn
     if impl == "mamba":
@@ -281,7 +286,7 @@ def make_impl(impl, row, mamba_ln, mamba_gated):
 
             def fn(x, residual, z, weight, bias):
                 return (mamba_gated.rmsnorm_fn(x, weight, bias, z=z, eps=eps, group_size=gs,
-                                               norm_before_gate=False),)
+                                               norm_before_gate=before),)
             return fn
         if mamba_ln is None:
             raise RuntimeError("mamba_ssm layer_norm not importable")

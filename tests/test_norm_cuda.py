@@ -217,10 +217,11 @@ STAGED_GATED_ROWS = (
     GATED.replace(hidden=320, group_size=0, lead=(21,)),
     GATED.replace(hidden=776, group_size=0, lead=(11,)),
 )
-# The lean forward's gated rows with the gate first past 32 slices (lean_fwd_slices, norm_cuda.cu):
+# The lean forward's gated rows past 32 slices (lean_fwd_slices, norm_cuda.cu), the gate first:
 # two slices a lane at 56 slices (lanes 24-31 holding one) on an odd row count beside a residual;
 # three at 41 (16 lanes, 0-8 holding a third) and at 95 (lane 31 holding two); a LayerNorm in two
-# groups of 72 beside a residual. The gate after the norm at 56 slices stays staged.
+# groups of 72 beside a residual. The gate after the norm: two slices a lane at 56 beside a
+# residual, three at 41 (a LayerNorm with a bias) and at 95 beside a residual.
 LEAN_GATED_ROWS = (
     GATED.replace(hidden=448, group_size=0, lead=(37,)),
     GATED.replace(hidden=328, group_size=0, residual=False, prenorm=False, lead=(21,)),
@@ -228,6 +229,8 @@ LEAN_GATED_ROWS = (
     LAYER.replace(hidden=1152, group_size=576, z=True, norm_before_gate=False, residual=True,
                   lead=(7,)),
     GATED.replace(hidden=448, group_size=0, norm_before_gate=True, lead=(13,)),
+    LAYER.replace(hidden=328, z=True, lead=(21,)),
+    BASE.replace(hidden=760, z=True, residual=True, lead=(9,)),
 )
 AWKWARD_ROWS = (CLUSTER_ROWS + HELD_ROWS + PLAIN_ROWS + RING_ROWS + GATED_RING_ROWS +
                 RESIDUAL_RING_ROWS + FAST_ROWS + STAGED_GATED_ROWS + LEAN_GATED_ROWS) + (

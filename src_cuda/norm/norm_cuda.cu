@@ -350,8 +350,11 @@ bool whole_pairs(int nslices) {
 //   (90.1), 86.7-86.8 / 87.4-87.5 at 576 (92.5), 88.5-88.7 / 88.2-88.8 at 640 (93.4), 90.0-90.1 /
 //   91.0-91.1 at 768 (93.9), 94.7 / 92.9-93.6 at 1024 at four (95.8). Before the gate's order was
 //   compiled in (silu(z) kept in float32 beside s silu(z), 125-160 registers) they lost: 80.8 /
-//   76.7-77.2 at 384, 87.2 / 67.6 at 640 at four. The gate after the norm (96 registers at two) is
-//   not yet measured there and stays with the staged forward.
+//   76.7-77.2 at 384, 87.2 / 67.6 at 640 at four.
+// - gated 16-bit rows, the gate after the norm (y = norm(s) silu(z)), the same slices: staged / lean
+//   (torch.compile), one H100, direct: 76.9-77.2 / 77.5-77.6 at 320 columns (69.7), 79.3-79.5 /
+//   81.5-81.9 at 384 (77.1), 80.2-80.7 / 82.5-82.9 at 448 (82.4), 84.5-84.6 / 86.5-86.7 at 576
+//   (85.4), 87.5-87.7 / 87.5-88.3 at 640 (89.3), 89.5-89.6 / 90.7-91.0 at 768 (93.7).
 // - not taken: 16-bit rows beside a residual of their dtype at four outside the prenorm call (level
 //   in the residual kernel: 95.1-95.6 / 95.1-95.3 at 1024).
 int lean_fwd_slices(const NormArgs& a, LeanDtypes d) {
@@ -361,7 +364,7 @@ int lean_fwd_slices(const NormArgs& a, LeanDtypes d) {
   if (Dtype(d.dt) == Dtype::F32) return 0;
   auto slots = [&](int k) { return k * pow2_at_least(ceil_div(nslices, k)); };
   if (a.z.present()) {
-    if (a.norm_before_gate || nslices > 3 * kFastFwdSlices || whole_pairs(nslices)) return 0;
+    if (nslices > 3 * kFastFwdSlices || whole_pairs(nslices)) return 0;
     return nslices > 2 * kFastFwdSlices || slots(3) < slots(2) ? 3 : 2;
   }
   const bool alone = !a.residual.present() && !a.residual_out.present();

@@ -4,7 +4,7 @@
 // on their run-time options, re-checked slice by slice, and issue for 60% of the cycles (ncu, 4096
 // bf16 columns), so they cannot reach the bandwidth. These decide the options at compile time or
 // once a row. The forward here takes short segments (up to 256 columns, and up to 768 16-bit gated
-// ones with the gate first and 512 or 1024 without a gate, lean_fwd_slices in norm_cuda.cu), one to
+// ones and 512 or 1024 without a gate, lean_fwd_slices in norm_cuda.cu), one to
 // four slices a lane and up to four rows a lane at once, the weight loaded once for them; longer
 // ones go to the held, plain, ring or staged forwards. The backward keeps the weight in registers
 // for the whole walk down the rows (a thread's columns never change) and loads the next row while
@@ -897,8 +897,8 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
       kernel = L ? fast_fwd_kernel<kDt, kRt, kFwdGateFirst, true, 3>(slices)
                  : fast_fwd_kernel<kDt, kRt, kFwdGateFirst, false, 3>(slices);
     if (inputs == kFwdGateAfter)
-      kernel = L ? fast_fwd_kernel<kDt, kRt, kFwdGateAfter, true, 1>(slices)
-                 : fast_fwd_kernel<kDt, kRt, kFwdGateAfter, false, 1>(slices);
+      kernel = L ? fast_fwd_kernel<kDt, kRt, kFwdGateAfter, true, 3>(slices)
+                 : fast_fwd_kernel<kDt, kRt, kFwdGateAfter, false, 3>(slices);
   }
   FastFwdArgs args(a, p);
   if (ahead_bytes > 0) {
