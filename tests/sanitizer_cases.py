@@ -118,9 +118,12 @@ NORM_CASES = [
     (37, 448, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
     (21, 328, 0, "layer", torch.float16, torch.float16, True, False, 0, torch.float16),
     (9, 760, 0, "rms", torch.bfloat16, torch.bfloat16, True, False, 0, None),
-    # The same with the gate after the norm: two slices a lane at 56, three at 95.
+    # The same with the gate after the norm: two slices a lane at 56, three at 95; without a
+    # residual or a bias (the plain gated call's kernels) at one slice a lane and at three (41).
     (13, 448, 0, "rms", torch.bfloat16, torch.float32, True, True, 0, torch.bfloat16),
     (9, 760, 0, "layer", torch.float16, torch.float16, True, True, 0, None),
+    (15, 200, 0, "rms", torch.float16, torch.float32, True, True, 0, None),
+    (11, 328, 0, "rms", torch.bfloat16, torch.bfloat16, True, True, 0, None),
     # The prenorm RMSNorm forward: 25 slices in a warp with a float32 weight, the last group of
     # four rows short; two slices a lane; four (125 slices, lanes 29-31 holding three; 65, lane 0
     # holding a third; two groups of 128); float32 rows; and the same call beside a float32

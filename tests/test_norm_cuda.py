@@ -307,6 +307,41 @@ def test_backward(case, dtype, seed):
     backward_on_gpu_and_cpu(case, inputs, dy, dres)
 
 
+# The plain gated call (plain_gated_call, norm_plan.h: no residual, a weight of float32 or x's
+# dtype, no bias, not zero-centred) takes lean kernels with those options compiled out: one slice a
+# lane (200 columns), two (456: 57 slices, lanes 25-31 holding one), three (328: 41 slices in 16
+# lanes, a LayerNorm without a bias; 760: 95), with either gate order.
+PLAIN_GATED_ROWS = tuple(
+    case.replace(z=True, norm_before_gate=before)
+    for case in (BASE.replace(hidden=200, lead=(37,)), BASE.replace(hidden=456, lead=(21,)),
+                 LAYER.replace(hidden=328, bias=False, lead=(13,)),
+                 BASE.replace(hidden=760, lead=(9,)))
+    for before in (False, True))
+
+
+@pytest.mark.parametrize("case", PLAIN_GATED_ROWS, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("weight", ["float32", "x"])
+def test_plain_gated_rows(case, dtype, weight, seed):
+    wdtype = torch.float32 if weight == "float32" else dtype
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda", dtypes={"weight": wdtype})
+    forward_on_gpu_and_cpu(case, inputs)
+
+
+# Up to twice the L2 the plain gated call loads x and z without allocating them in L1, past it
+# through L1 (lean_fwd_fetch, norm_cuda.cu): rows just past that, at three slices a lane.
+@pytest.mark.parametrize("before", [False, True])
+def test_plain_gated_past_twice_the_l2(before, seed):
+    hidden = 384
+    rows = 2 * torch.cuda.get_device_properties(0).L2_cache_size // (3 * 2 * hidden) + 101
+    case = BASE.replace(hidden=hidden, z=True, norm_before_gate=before, lead=(rows,))
+    inputs = make_norm_inputs(case, torch.bfloat16, seed, device="cuda",
+                              dtypes={"weight": torch.float32})
+    fwd = run_forward(case, inputs)
+    check_forward(case, to_cpu(inputs),
+                  libssm.NormForward(*(None if t is None else t.cpu() for t in fwd)))
+
+
 @pytest.mark.parametrize("case", PLAIN_ROWS + GATED_RING_ROWS, ids=case_id)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("weight", ["float32", "bfloat16"])

@@ -62,7 +62,7 @@ def main():
         rows = "%s rows" % DTYPES[dt] + ("" if dt == rt else ", a %s residual stream" % DTYPES[rt])
         write("norm_fwd_fast_%s.cu" % tag, "the lean fused-norm forward, %s." % rows,
               ["template cudaError_t launch_norm_fwd_fast<%d, %d>(const NormArgs&, NormPlan&, int,"
-               "\n%49sFastFwdInputs, int64_t, cudaStream_t);" % (dt, rt, "")],
+               "\n%49sFastFwdInputs, LeanFwdFetch, cudaStream_t);" % (dt, rt, "")],
               header="norm_fast.cuh")
         write("norm_fwd_held_%s.cu" % tag, "the held fused-norm forward, %s." % rows,
               ["template cudaError_t launch_norm_fwd_held<%d, %d>(const NormArgs&, NormPlan&,"

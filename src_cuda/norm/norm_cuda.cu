@@ -308,6 +308,14 @@ bool prenorm_call(const NormArgs& a, LeanDtypes d) {
          !a.layer_norm && plain_weight;
 }
 
+// plain_gated_call: norm_plan.h.
+bool plain_gated_call(const NormArgs& a) {
+  const Dtype w = a.weight.dtype;
+  return a.z.present() && !a.residual.present() && !a.residual_out.present() &&
+         a.weight.present() && !a.bias.present() && !a.zero_centered_weight &&
+         (w == Dtype::F32 || w == a.x.dtype);
+}
+
 // Whether two slices a lane fill a power-of-two count of lanes: none idle.
 bool whole_pairs(int nslices) {
   return nslices % 2 == 0 && pow2_at_least(nslices / 2) == nslices / 2;
@@ -396,13 +404,31 @@ bool outgrows_l2(const NormArgs& a, int device) {
   return 2 * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice) > l2_cache_bytes(device);
 }
 
-// How far ahead the lean forward fetches x (and the residual) into L2 (norm_plan.h): the prenorm
-// kernel always, the norm alone of 16-bit rows past the L2.
-int64_t lean_fwd_ahead_bytes(const NormArgs& a, FastFwdInputs inputs, int device) {
-  if (inputs == kFwdPrenorm) return kPrenormAheadBytes;
-  return inputs == kFwdAlone && a.x.dtype != Dtype::F32 && outgrows_l2(a, device)
-             ? kAloneAheadBytes
-             : 0;
+// How the lean forward fetches its inputs (norm_plan.h): x (and the residual) ahead into L2 for
+// the prenorm kernel always, for the norm alone of 16-bit rows past the L2 (and x then not
+// allocated in L1: launch_norm_fwd_fast says what that bought). The plain gated call's x and z
+// not allocated in L1 where x, z and y together are at most twice the L2's bytes. One H100, % of
+// copy, direct timing, bf16 x and z, float32 weight, 32768 rows, allocated / not, the gate first:
+// 96.8 / 103.9-104.2 at 256 columns, 86.0 / 104.2-104.5 at 320, 86.7-86.9 / 103.9-104.1 at 384,
+// 87.5-87.6 / 93.8-94.1 at 448 (torch.compile 87.4-87.9, 88.2, 88.1-88.2, 89.7-89.8); the gate
+// after: 93.2-93.7 / 104.5-104.6, 85.1 / 105.1-105.3, 87.2 / 104.5-104.8, 86.0-86.1 / 90.4-90.5;
+// on 16384 rows (the gate first) 85.3-85.6 / 104.6-104.7 at 640 and 86.9-87.1 / 105.2-105.3 at
+// 768. Past twice the L2 it lost: 89.9-90.0 / 88.9-89.1 at 576, 91.6-91.7 / 91.4-91.6 at 640,
+// 93.3 / 92.4-92.5 at 768; the gate after 89.0-89.1 / 88.8-88.9, 90.9-91.0 / 89.6-89.7, 92.9-93.0 /
+// 92.3-92.4; on 65536 rows 93.4-93.5 / 93.4 at 384, 94.2-94.3 / 93.7-93.8 at 448, 96.1 / 94.6 at
+// 576, 97.8 / 96.4 at 768. Fetching x and z 4 MB ahead into L2 as well lost: 100.5-100.8 at 384,
+// 90.3-90.4 at 448 (1 MB: 90.5-90.7 at 384, in the kernel that reads the options at run time).
+LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int device) {
+  LeanFwdFetch f;
+  if (inputs == kFwdPrenorm) f.ahead_bytes = kPrenormAheadBytes;
+  if (inputs == kFwdAlone && a.x.dtype != Dtype::F32 && outgrows_l2(a, device)) {
+    f.ahead_bytes = kAloneAheadBytes;
+    f.no_l1 = true;
+  }
+  if (plain_gated_call(a))
+    f.no_l1 = 3 * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice) <=
+              2 * int64_t(l2_cache_bytes(device));
+  return f;
 }
 
 // The held forward's plan (norm_plan.h) for a lean call without a gate: the slices a thread
@@ -574,13 +600,13 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   if (lean_slices > 0) {
     p.block = kFastFwdBlock;
     const FastFwdInputs inputs = fast_fwd_inputs(a, lean, p.threads);
-    const int64_t ahead = lean_fwd_ahead_bytes(a, inputs, device);
+    const LeanFwdFetch fetch = lean_fwd_fetch(a, inputs, device);
     p.row_blocks = ceil_div(a.rows, int64_t(kFastFwdBlock / p.threads) *
                                         fast_fwd_rows(inputs, lean_slices, lean.dt));
     if (p.row_blocks <= INT_MAX)
       return cuda_status(with_lean_dtypes(lean, [&](auto dt, auto rt) {
                            return launch_norm_fwd_fast<decltype(dt)::value, decltype(rt)::value>(
-                               a, p, lean_slices, inputs, ahead, s);
+                               a, p, lean_slices, inputs, fetch, s);
                          }),
                          "norm_fwd launch");
   }

@@ -274,7 +274,7 @@ struct FastFwdArgs {
   int64_t rows, group_size;
   int nslices, threads;
   int64_t ahead_rows;  // the L2 prefetch distance, 0 for none (set by the launcher)
-  bool x_no_l1 = false;  // x loaded without allocating it in L1 (set by the launcher)
+  bool no_l1 = false;  // x and z loaded without allocating them in L1 (set by the launcher)
   float eps, inv_len;  // inv_len: 1 / group_size, so no thread converts and divides
   Dtype weight_dtype, bias_dtype;
   bool zero_centered_weight, norm_before_gate;
@@ -313,8 +313,8 @@ struct FastFwdArgs {
 // reductions interleave and the scale is loaded once for them. Blocks of kFastFwdBlock threads,
 // one a (row group, group) pair: grid (row groups, ngroups). kDt: x, y and z; kRt: residual and
 // residual_out (kDt too, or float32 beside 16-bit x). kIn: the inputs beside x, a
-// FastFwdInputs; kLayer: a LayerNorm; kWt: the weight's dtype in the prenorm kernel (-1
-// elsewhere: read at run time).
+// FastFwdInputs; kLayer: a LayerNorm; kWt: the weight's dtype in the prenorm kernel and the
+// plain gated ones (gated_fwd_kernel; -1 elsewhere: read at run time).
 template <int kDt, int kRt, int kIn, bool kLayer, int K, int kWt = -1>
 __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const FastFwdArgs a) {
   using namespace norm_detail;
@@ -324,6 +324,10 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   constexpr Dtype D = Dtype(kDt), S = Dtype(kRt);
   constexpr bool kGate = kIn == kFwdGateFirst || kIn == kFwdGateAfter;
   constexpr bool kGateFirst = kIn == kFwdGateFirst;
+  // The prenorm kernel and the plain gated ones (kWt >= 0) have no bias, no zero-centred weight
+  // and a weight, of dtype kWt; the plain gated ones no residual.
+  constexpr bool kPlainGated = kGate && kWt >= 0;
+  constexpr bool kFixed = kPrenorm || kPlainGated;
   const int T = kPrenorm ? 32 : a.threads;
   const int shift = kPrenorm ? 5 : __ffs(T) - 1;
   const int lane = threadIdx.x & (T - 1);
@@ -336,8 +340,9 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
     valid[k] = lane + k * T < a.nslices;
     col[k] = int64_t(blockIdx.y) * a.group_size + int64_t(lane + k * T) * kSlice;
   }
-  const bool residual = kPrenorm || (kIn != kFwdAlone && a.residual != nullptr);
-  const bool residual_out = kPrenorm || (kIn != kFwdAlone && a.residual_out != nullptr);
+  const bool residual = kPrenorm || (kIn != kFwdAlone && !kPlainGated && a.residual != nullptr);
+  const bool residual_out =
+      kPrenorm || (kIn != kFwdAlone && !kPlainGated && a.residual_out != nullptr);
   // Where slice k of row r0 + i starts in a tensor of row stride `stride`.
   auto offset = [&](int64_t stride, int i, int k) { return r0 * stride + col[k] + i * stride; };
   bool row_ok[R];
@@ -346,7 +351,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   auto ok = [&](int i, int k) { return row_ok[i] && valid[k]; };
 
   // x, residual and z as loaded (16-bit ones packed): every load is issued before any is used.
-  const LoadHint x_hint = D != Dtype::F32 && a.x_no_l1 ? LoadHint::kNoL1 : LoadHint::kCached;
+  const LoadHint x_hint = D != Dtype::F32 && a.no_l1 ? LoadHint::kNoL1 : LoadHint::kCached;
   Slice xs[R][K], rs[R][K], zs[R][K];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
@@ -358,7 +363,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
       fetch_slice(a.x, D, offset(a.x_stride, i, k), kSlice, true, xs[i][k], x_hint);
       if (residual)
         fetch_slice(a.residual, S, offset(a.residual_stride, i, k), kSlice, true, rs[i][k]);
-      if (kGate) fetch_slice(a.z, D, offset(a.z_stride, i, k), kSlice, true, zs[i][k]);
+      if (kGate) fetch_slice(a.z, D, offset(a.z_stride, i, k), kSlice, true, zs[i][k], x_hint);
     }
   }
   // With a gate at one slice a lane, and in the prenorm kernel, the weight (and bias) are fetched
@@ -390,8 +395,8 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       if (!valid[k]) continue;
-      if (a.weight != nullptr) fetch_slice(a.weight, wt, col[k], kSlice, true, we[k]);
-      if (!kPrenorm && a.bias != nullptr)
+      if (kFixed || a.weight != nullptr) fetch_slice(a.weight, wt, col[k], kSlice, true, we[k]);
+      if (!kFixed && a.bias != nullptr)
         fetch_slice(a.bias, a.bias_dtype, col[k], kSlice, true, be[k]);
     }
   }
@@ -518,7 +523,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
     if (!valid[k]) continue;
     Slice w, b;
     if constexpr (kEarly) {
-      if (a.weight != nullptr) {
+      if (kFixed || a.weight != nullptr) {
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) w[e] = we[k][e];
         widen_slice(wt, true, w);
@@ -526,14 +531,14 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) w[e] = 1.f;
       }
-      if (!kPrenorm && a.zero_centered_weight) {
+      if (!kFixed && a.zero_centered_weight) {
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) w[e] += 1.f;
       }
     } else {
       slice_scale(a.weight, wt, !kPrenorm && a.zero_centered_weight, true, col[k], w);
     }
-    if (!kPrenorm && a.bias != nullptr) {
+    if (!kFixed && a.bias != nullptr) {
       if constexpr (kEarly) {
 #pragma unroll
         for (int e = 0; e < kSlice; ++e) b[e] = be[k][e];
@@ -875,9 +880,34 @@ auto fast_fwd_kernel(int slices) {
   return norm_fwd_fast_kernel<kDt, kRt, kIn, kLayer, 1, kWt>;
 }
 
+// The gated lean forward kernel, kIn the gate's order: for the plain gated call
+// (plain_gated_call, norm_plan.h) the one with its options compiled out, its weight's dtype kWt;
+// for the others the one that reads them at run time. One H100, RMSNorm of bf16 x and z, float32
+// weight, the gate first: 64 / 48 registers at one slice a lane, 79 / 69 at two, 69 / 56 at
+// three; the gate after: 64 / 56, 96 / 80, 70 / 64. % of copy, direct timing, 32768 rows, x
+// and z through L1 (lean_fwd_fetch), run time / compiled out: the gate first 94.0-94.1 /
+// 94.3-94.4 at 256 columns, 84.8-85.0 / 86.7-86.9 at 384, 85.7-85.8 / 87.5-87.6 at 448,
+// 88.7-88.8 / 89.4-89.6 at 576, 90.2-90.3 / 91.0-91.2 at 640, 91.9-92.0 / 92.7-92.8 at 768; the
+// gate after 89.6-89.7 / 96.8-96.9, 83.8-83.9 / 87.2, 84.6-84.7 / 86.0-86.1, 88.1-88.4 / 88.4,
+// 89.6-89.7 / 90.9-91.0, 91.7-91.9 / 92.5. Its weight fetched with x at every width (as the
+// prenorm kernel's) held 72 registers at three slices a lane against 56.
+template <int kDt, int kRt, int kIn>
+auto gated_fwd_kernel(const NormArgs& a, int slices) {
+  constexpr int F = int(Dtype::F32);
+  const bool L = a.layer_norm;
+  if (!plain_gated_call(a))
+    return L ? fast_fwd_kernel<kDt, kRt, kIn, true, 3>(slices)
+             : fast_fwd_kernel<kDt, kRt, kIn, false, 3>(slices);
+  if (a.weight.dtype == Dtype::F32)
+    return L ? fast_fwd_kernel<kDt, kRt, kIn, true, 3, F>(slices)
+             : fast_fwd_kernel<kDt, kRt, kIn, false, 3, F>(slices);
+  return L ? fast_fwd_kernel<kDt, kRt, kIn, true, 3, kDt>(slices)
+           : fast_fwd_kernel<kDt, kRt, kIn, false, 3, kDt>(slices);
+}
+
 template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, FastFwdInputs inputs,
-                                 int64_t ahead_bytes, cudaStream_t stream) {
+                                 LeanFwdFetch fetch, cudaStream_t stream) {
   const dim3 grid(unsigned(p.row_blocks), unsigned(a.ngroups));
   const bool L = a.layer_norm;
   // Four slices a lane beside a residual only beside a float32 stream or in the prenorm kernel.
@@ -893,26 +923,23 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
       kernel = a.weight.dtype != Dtype::F32
                    ? fast_fwd_kernel<kDt, kRt, kFwdPrenorm, false, 4, kDt>(slices)
                    : fast_fwd_kernel<kDt, kRt, kFwdPrenorm, false, 4, F>(slices);
-    if (inputs == kFwdGateFirst)
-      kernel = L ? fast_fwd_kernel<kDt, kRt, kFwdGateFirst, true, 3>(slices)
-                 : fast_fwd_kernel<kDt, kRt, kFwdGateFirst, false, 3>(slices);
-    if (inputs == kFwdGateAfter)
-      kernel = L ? fast_fwd_kernel<kDt, kRt, kFwdGateAfter, true, 3>(slices)
-                 : fast_fwd_kernel<kDt, kRt, kFwdGateAfter, false, 3>(slices);
+    if (inputs == kFwdGateFirst) kernel = gated_fwd_kernel<kDt, kRt, kFwdGateFirst>(a, slices);
+    if (inputs == kFwdGateAfter) kernel = gated_fwd_kernel<kDt, kRt, kFwdGateAfter>(a, slices);
   }
   FastFwdArgs args(a, p);
-  if (ahead_bytes > 0) {
+  if (fetch.ahead_bytes > 0) {
     const int64_t row_bytes = a.hidden * (slice_bytes(Dtype(kDt)) / kSlice);
-    args.ahead_rows = std::max<int64_t>(ahead_bytes / row_bytes, 1);
+    args.ahead_rows = std::max<int64_t>(fetch.ahead_bytes / row_bytes, 1);
   }
-  // The norm alone past the L2 (fetched ahead there) loads x without allocating it in L1. One
+  // Loads not allocated in L1 (lean_fwd_fetch, norm_cuda.cu): the norm alone's x past the L2
+  // (fetched ahead there), the plain gated call's x and z up to twice the L2. One
   // H100, % of copy, direct timing, one process each (bf16, float32 weight, 32768 rows),
   // allocated / not: RMSNorm alone 80.0-80.2 / 98.1-98.7 at 448 columns, 81.6 / 91.5-92.8 at
   // 512, 86.7-86.8 / 88.9-90.2 at 768, LayerNorm alone 78.1-78.8 / 87.7 at 512. Where the call
   // fits the L2 it lost: LayerNorm alone 90.8-90.9 / 80.7-81.3 at 256 columns, RMSNorm alone
   // 90.4 / 88.9-90.0 at 384. Rows beside a residual lost 0.2-2.5 points at 256-768 (RMSNorm +
   // residual, in one process).
-  args.x_no_l1 = inputs == kFwdAlone && ahead_bytes > 0;
+  args.no_l1 = fetch.no_l1;
   kernel<<<grid, p.block, 0, stream>>>(args);
   return cudaGetLastError();
 }

@@ -120,11 +120,20 @@ constexpr int64_t kPrenormAheadBytes = int64_t(1) << 20;
 // lost to 4 (78.5-78.7 at 512, 83.3 at 768), 16 MB to none (76.3-76.5, 71.0-71.1); 1 MB and 256
 // KB gained about half as much. On 131072 rows: 94.6 / 96.1 at 512, 96.9 / 97.5 at 768.
 constexpr int64_t kAloneAheadBytes = int64_t(4) << 20;
-// `ahead_bytes`: how far ahead of its rows the prenorm kernel or the norm alone's fetches x (and
-// the residual) into L2, 0 for not at all.
+// How a lean forward fetches its inputs (lean_fwd_fetch, norm_cuda.cu): how far ahead of its rows
+// the prenorm kernel or the norm alone's fetches x (and the residual) into L2, 0 for not at all;
+// whether x (and z) are loaded without allocating them in L1.
+struct LeanFwdFetch {
+  int64_t ahead_bytes = 0;
+  bool no_l1 = false;
+};
+// Whether a gated call has none of the options Mamba-2's RMSNormGated leaves out: no residual in
+// or out, a weight of float32 or x's dtype, no bias, not zero-centred (norm_cuda.cu). Its lean
+// forward compiles them out (kWt, norm_fast.cuh).
+bool plain_gated_call(const NormArgs& a);
 template <int kDt, int kRt>
 cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, FastFwdInputs inputs,
-                                 int64_t ahead_bytes, cudaStream_t stream);
+                                 LeanFwdFetch fetch, cudaStream_t stream);
 // The lean backward keeps kFastBwdSlices slices a thread, like the fused general one. Its
 // dynamic shared memory (bwd_stash_bytes) holds, per thread:
 // - with LayerNorm, a bias gradient or a gate, beside a stream of x's dtype

@@ -3,5 +3,5 @@
 
 namespace ssm {
 template cudaError_t launch_norm_fwd_fast<2, 0>(const NormArgs&, NormPlan&, int,
-                                                 FastFwdInputs, int64_t, cudaStream_t);
+                                                 FastFwdInputs, LeanFwdFetch, cudaStream_t);
 }  // namespace ssm
