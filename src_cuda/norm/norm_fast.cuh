@@ -883,7 +883,7 @@ auto fast_fwd_kernel(int slices) {
 // The gated lean forward kernel, kIn the gate's order: for the plain gated call
 // (plain_gated_call, norm_plan.h) the one with its options compiled out, its weight's dtype kWt;
 // for the others the one that reads them at run time. One H100, RMSNorm of bf16 x and z, float32
-// weight, the gate first: 64 / 48 registers at one slice a lane, 79 / 69 at two, 69 / 56 at
+// weight, the gate first: 64 / 48 registers at one slice a lane, 77 / 70 at two, 69 / 56 at
 // three; the gate after: 64 / 56, 96 / 80, 70 / 64. % of copy, direct timing, 32768 rows, x
 // and z through L1 (lean_fwd_fetch), run time / compiled out: the gate first 94.0-94.1 /
 // 94.3-94.4 at 256 columns, 84.8-85.0 / 86.7-86.9 at 384, 85.7-85.8 / 87.5-87.6 at 448,
