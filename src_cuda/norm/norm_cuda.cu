@@ -359,9 +359,9 @@ bool whole_pairs(int nslices) {
 //   91.0-91.1 at 768 (93.9), 94.7 / 92.9-93.6 at 1024 at four (95.8). Before the gate's order was
 //   compiled in (silu(z) kept in float32 beside s silu(z), 125-160 registers) they lost: 80.8 /
 //   76.7-77.2 at 384, 87.2 / 67.6 at 640 at four.
-// - gated 16-bit rows, the gate after the norm (y = norm(s) silu(z)), the same slices: staged / lean
-//   (torch.compile), one H100, direct: 76.9-77.2 / 77.5-77.6 at 320 columns (69.7), 79.3-79.5 /
-//   81.5-81.9 at 384 (77.1), 80.2-80.7 / 82.5-82.9 at 448 (82.4), 84.5-84.6 / 86.5-86.7 at 576
+// - gated 16-bit rows, the gate after the norm (y = norm(s) silu(z)), the same slices: staged /
+//   lean (torch.compile), one H100, direct: 76.9-77.2 / 77.5-77.6 at 320 columns (69.7), 79.3-79.5
+//   / 81.5-81.9 at 384 (77.1), 80.2-80.7 / 82.5-82.9 at 448 (82.4), 84.5-84.6 / 86.5-86.7 at 576
 //   (85.4), 87.5-87.7 / 87.5-88.3 at 640 (89.3), 89.5-89.6 / 90.7-91.0 at 768 (93.7).
 // - not taken: 16-bit rows beside a residual of their dtype at four outside the prenorm call (level
 //   in the residual kernel: 95.1-95.6 / 95.1-95.3 at 1024).

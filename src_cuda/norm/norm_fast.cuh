@@ -351,7 +351,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   auto ok = [&](int i, int k) { return row_ok[i] && valid[k]; };
 
   // x, residual and z as loaded (16-bit ones packed): every load is issued before any is used.
-  const LoadHint x_hint = D != Dtype::F32 && a.no_l1 ? LoadHint::kNoL1 : LoadHint::kCached;
+  const LoadHint load_hint = D != Dtype::F32 && a.no_l1 ? LoadHint::kNoL1 : LoadHint::kCached;
   Slice xs[R][K], rs[R][K], zs[R][K];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
@@ -360,10 +360,10 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) xs[i][k][e] = 0.f, rs[i][k][e] = 0.f, zs[i][k][e] = 0.f;
       if (!ok(i, k)) continue;
-      fetch_slice(a.x, D, offset(a.x_stride, i, k), kSlice, true, xs[i][k], x_hint);
+      fetch_slice(a.x, D, offset(a.x_stride, i, k), kSlice, true, xs[i][k], load_hint);
       if (residual)
         fetch_slice(a.residual, S, offset(a.residual_stride, i, k), kSlice, true, rs[i][k]);
-      if (kGate) fetch_slice(a.z, D, offset(a.z_stride, i, k), kSlice, true, zs[i][k], x_hint);
+      if (kGate) fetch_slice(a.z, D, offset(a.z_stride, i, k), kSlice, true, zs[i][k], load_hint);
     }
   }
   // With a gate at one slice a lane, and in the prenorm kernel, the weight (and bias) are fetched
@@ -932,13 +932,13 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
     args.ahead_rows = std::max<int64_t>(fetch.ahead_bytes / row_bytes, 1);
   }
   // Loads not allocated in L1 (lean_fwd_fetch, norm_cuda.cu): the norm alone's x past the L2
-  // (fetched ahead there), the plain gated call's x and z up to twice the L2. One
-  // H100, % of copy, direct timing, one process each (bf16, float32 weight, 32768 rows),
-  // allocated / not: RMSNorm alone 80.0-80.2 / 98.1-98.7 at 448 columns, 81.6 / 91.5-92.8 at
-  // 512, 86.7-86.8 / 88.9-90.2 at 768, LayerNorm alone 78.1-78.8 / 87.7 at 512. Where the call
-  // fits the L2 it lost: LayerNorm alone 90.8-90.9 / 80.7-81.3 at 256 columns, RMSNorm alone
-  // 90.4 / 88.9-90.0 at 384. Rows beside a residual lost 0.2-2.5 points at 256-768 (RMSNorm +
-  // residual, in one process).
+  // (fetched ahead there), the plain gated call's x and z up to twice the L2 (measured there). The
+  // norm alone, one H100, % of copy, direct timing, one process each (bf16, float32 weight, 32768
+  // rows), allocated / not: RMSNorm alone 80.0-80.2 / 98.1-98.7 at 448 columns, 81.6 / 91.5-92.8 at
+  // 512, 86.7-86.8 / 88.9-90.2 at 768, LayerNorm alone 78.1-78.8 / 87.7 at 512. Where the call fits
+  // the L2 it lost: LayerNorm alone 90.8-90.9 / 80.7-81.3 at 256 columns, RMSNorm alone 90.4 /
+  // 88.9-90.0 at 384. Rows beside a residual lost 0.2-2.5 points at 256-768 (RMSNorm + residual, in
+  // one process).
   args.no_l1 = fetch.no_l1;
   kernel<<<grid, p.block, 0, stream>>>(args);
   return cudaGetLastError();
