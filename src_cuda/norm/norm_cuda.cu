@@ -297,23 +297,24 @@ bool one_stage_fits(const NormArgs& a, LeanDtypes d) {
          nslices * staged_slice_bytes(a, Dtype(d.dt), Dtype(d.rt)) <= kStageBudget;
 }
 
-// Whether a lean call is the prenorm one of RMSNorm (FastFwdInputs, norm_plan.h), whatever its
-// width: residual in and residual_out out, all of x's dtype, no gate, a weight of float32 or x's
-// dtype, no bias, not zero-centred.
-bool prenorm_call(const NormArgs& a, LeanDtypes d) {
+// Whether the weight is one the kernels with the options compiled out take (kWt, norm_fast.cuh):
+// present, of float32 or x's dtype, no bias, not zero-centred.
+bool plain_weight(const NormArgs& a) {
   const Dtype w = a.weight.dtype;
-  const bool plain_weight = a.weight.present() && !a.bias.present() && !a.zero_centered_weight &&
-                            (w == Dtype::F32 || w == Dtype(d.dt));
+  return a.weight.present() && !a.bias.present() && !a.zero_centered_weight &&
+         (w == Dtype::F32 || w == a.x.dtype);
+}
+
+// Whether a lean call is the prenorm one of RMSNorm (FastFwdInputs, norm_plan.h), whatever its
+// width: residual in and residual_out out, all of x's dtype, no gate, a plain weight.
+bool prenorm_call(const NormArgs& a, LeanDtypes d) {
   return !a.z.present() && d.dt == d.rt && a.residual.present() && a.residual_out.present() &&
-         !a.layer_norm && plain_weight;
+         !a.layer_norm && plain_weight(a);
 }
 
 // plain_gated_call: norm_plan.h.
 bool plain_gated_call(const NormArgs& a) {
-  const Dtype w = a.weight.dtype;
-  return a.z.present() && !a.residual.present() && !a.residual_out.present() &&
-         a.weight.present() && !a.bias.present() && !a.zero_centered_weight &&
-         (w == Dtype::F32 || w == a.x.dtype);
+  return a.z.present() && !a.residual.present() && !a.residual_out.present() && plain_weight(a);
 }
 
 // Whether two slices a lane fill a power-of-two count of lanes: none idle.
