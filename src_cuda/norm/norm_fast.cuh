@@ -366,10 +366,11 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
       if (kGate) fetch_slice(a.z, D, offset(a.z_stride, i, k), kSlice, true, zs[i][k], load_hint);
     }
   }
-  // With a gate at one slice a lane, and in the prenorm kernel, the weight (and bias) are fetched
-  // here, raw, so their latency overlaps that of x instead of following the reductions (gated rows
-  // at two or three slices a lane held 83-132 registers with them, against 72-80). % of copy,
-  // direct timing: gated rows of 256 columns 80.7 -> 82.5-82.9 (one H100). RMSNorm + residual
+  // With a gate at one slice a lane, in the plain gated kernels at three (gated_fwd_kernel has
+  // their measurements) and in the prenorm kernel, the weight (and bias) are fetched here, raw,
+  // so their latency overlaps that of x instead of following the reductions (the other gated
+  // kernels at two or three slices a lane held 83-132 registers with them, against 72-80). % of
+  // copy, direct timing: gated rows of 256 columns 80.7 -> 82.5-82.9 (one H100). RMSNorm + residual
   // (bf16, float32 weight) at four slices a lane, 1024 columns: 91.0-91.1 -> 92.5-92.6 on 32768
   // rows (one H200), 87.0 -> 96.1 on 2640 rows, whose bytes stay in L2 (one H100; level on 32768
   // there); at two, 512 columns: 84.3-84.4 -> 85.6-86.1 (H200), level on the H100; level at 256 on
@@ -388,7 +389,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
                        unsigned(a.group_size * bytes));
     }
   }
-  constexpr bool kEarly = kPrenorm || (kGate && K == 1);
+  constexpr bool kEarly = kPrenorm || (kGate && K == 1) || (kPlainGated && K == 3);
   const Dtype wt = kWt >= 0 ? Dtype(kWt) : a.weight_dtype;
   Slice we[K], be[K];
   if constexpr (kEarly) {
@@ -889,8 +890,13 @@ auto fast_fwd_kernel(int slices) {
 // 94.3-94.4 at 256 columns, 84.8-85.0 / 86.7-86.9 at 384, 85.7-85.8 / 87.5-87.6 at 448,
 // 88.7-88.8 / 89.4-89.6 at 576, 90.2-90.3 / 91.0-91.2 at 640, 91.9-92.0 / 92.7-92.8 at 768; the
 // gate after 89.6-89.7 / 96.8-96.9, 83.8-83.9 / 87.2, 84.6-84.7 / 86.0-86.1, 88.1-88.4 / 88.4,
-// 89.6-89.7 / 90.9-91.0, 91.7-91.9 / 92.5. Its weight fetched with x at every width (as the
-// prenorm kernel's) held 72 registers at three slices a lane against 56.
+// 89.6-89.7 / 90.9-91.0, 91.7-91.9 / 92.5. Its weight fetched with x (as the prenorm kernel's)
+// at three slices a lane holds 64 / 80 registers against 56 / 64, gate first / after, and gains;
+// one H100, % of copy, direct timing, fetched late / early: the gate first 102.4 / 108.4 at 384
+// columns, 89.5 / 89.9 at 576, 91.3 / 91.9 at 640, 92.8 / 93.8 at 768; the gate after 104.4 /
+// 111.7, 88.6 / 92.3, 90.4 / 93.5, 92.8 / 94.9 (torch.compile 94.5 and 95.9 at 576 and 768 with
+// the gate first, 87.0 and 95.6 after). At two slices (448 columns) it held 72 / 90 against 70 /
+// 80: 93.5 / 93.8 with the gate first, 92.3 / 90.3 after, so there it stays fetched late.
 template <int kDt, int kRt, int kIn>
 auto gated_fwd_kernel(const NormArgs& a, int slices) {
   constexpr int F = int(Dtype::F32);
