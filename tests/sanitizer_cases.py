@@ -124,6 +124,10 @@ NORM_CASES = [
     (9, 760, 0, "layer", torch.float16, torch.float16, True, True, 0, None),
     (15, 200, 0, "rms", torch.float16, torch.float32, True, True, 0, None),
     (11, 328, 0, "rms", torch.bfloat16, torch.bfloat16, True, True, 0, None),
+    # The plain gated call past twice the L2 (x, z and y beyond twice 60 MB) fetches x and z
+    # ahead into L2 at two slices a lane (40 slices), and at three (95) holds fewer CTAs an SM.
+    (65001, 320, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
+    (27001, 760, 0, "rms", torch.bfloat16, torch.float32, True, True, 0, None),
     # The prenorm RMSNorm forward: 25 slices in a warp with a float32 weight, the last group of
     # four rows short; two slices a lane; four (125 slices, lanes 29-31 holding three; 65, lane 0
     # holding a third; two groups of 128); float32 rows; and the same call beside a float32

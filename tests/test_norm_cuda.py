@@ -328,13 +328,17 @@ def test_plain_gated_rows(case, dtype, weight, seed):
     forward_on_gpu_and_cpu(case, inputs)
 
 
-# Up to twice the L2 the plain gated call loads x and z without allocating them in L1, past it
-# through L1 (lean_fwd_fetch, norm_cuda.cu): rows just past that, at three slices a lane.
+# Up to twice the L2 the plain gated call loads x and z without allocating them in L1; past it
+# through L1, at two slices a lane up to 48 slices and at three fetching them into L2 rows ahead,
+# at three with fewer CTAs an SM (lean_fwd_fetch, norm_cuda.cu): rows just past that, at one
+# slice a lane (256 columns), at two up to and beyond 48 slices (384, 448; groups of 384 in 768)
+# and at three (760).
 @pytest.mark.parametrize("before", [False, True])
-def test_plain_gated_past_twice_the_l2(before, seed):
-    hidden = 384
+@pytest.mark.parametrize("hidden,group_size", [(256, 0), (384, 0), (448, 0), (768, 384), (760, 0)])
+def test_plain_gated_past_twice_the_l2(before, hidden, group_size, seed):
     rows = 2 * torch.cuda.get_device_properties(0).L2_cache_size // (3 * 2 * hidden) + 101
-    case = BASE.replace(hidden=hidden, z=True, norm_before_gate=before, lead=(rows,))
+    case = BASE.replace(hidden=hidden, group_size=group_size, z=True, norm_before_gate=before,
+                        lead=(rows,))
     inputs = make_norm_inputs(case, torch.bfloat16, seed, device="cuda",
                               dtypes={"weight": torch.float32})
     fwd = run_forward(case, inputs)

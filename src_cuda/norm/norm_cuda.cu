@@ -419,16 +419,35 @@ bool outgrows_l2(const NormArgs& a, int device) {
 // 92.3-92.4; on 65536 rows 93.4-93.5 / 93.4 at 384, 94.2-94.3 / 93.7-93.8 at 448, 96.1 / 94.6 at
 // 576, 97.8 / 96.4 at 768. Fetching x and z 4 MB ahead into L2 as well lost: 100.5-100.8 at 384,
 // 90.3-90.4 at 448 (1 MB: 90.5-90.7 at 384, in the kernel that reads the options at run time).
-LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int device) {
+// Past twice the L2 the plain gated call fetches x and z ahead into L2, and at three slices a lane
+// holds fewer CTAs an SM (kGatedAheadBytes, norm_plan.h). One H100, % of copy, direct timing,
+// bf16, float32 weight, the gate first unless said; on 32768 rows, none / 2 MB ahead and 5 CTAs
+// an SM (torch.compile): 89.7-89.9 / 93.1-93.2 (93.9-94.0) at 576 columns, 91.5 / 94.3-94.4
+// (94.8-94.9) at 640, 93.8 / 95.3 (96.1) at 768; the gate after 92.7-92.8 / 93.5 (87.1-87.2),
+// 93.7 / 94.4 (90.8-90.9), 94.5-94.6 / 95.2 (95.4-95.5). On 65536 rows 96.1 / 98.4 (98.7) at 576,
+// 98.1 / 99.0-99.2 (99.2) at 768. In experiment builds (whose own figures ran 0.5-1.5 below the
+// library's), against 2 MB ahead alone: 2 MB ahead gained 1.1-2.1 at 576-768, 5 CTAs a further
+// 0.3-1.8, 4 and 6 CTAs ran with 5; 4 MB lost 2-5 points to 2 and 8 MB lost 9-12, 1 MB gained
+// less. At two slices a lane, where 6 CTAs fit an SM (5 lost 0.1-0.9), 65536 rows, none / 2 MB:
+// 91.3-91.4 / 93.7 (90.7-90.8) at 320 columns, 93.8-93.9 / 94.8-94.9 (95.4) at 384, but past
+// 48 slices 93.3-93.4 / 91.9 (94.5) at 416, 93.9-94.0 / 92.5 (95.9) at 448, 94.4 / 92.9-93.0
+// (95.4-95.5) at 480, where 4 MB did no better; so not there. At one slice a lane it lost too
+// (131072 rows of 256 columns, none / 4 MB with 5 CTAs: 95.7-95.8 / 94.3, compile 97.1-97.2).
+LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int slices, int device) {
   LeanFwdFetch f;
   if (inputs == kFwdPrenorm) f.ahead_bytes = kPrenormAheadBytes;
   if (inputs == kFwdAlone && a.x.dtype != Dtype::F32 && outgrows_l2(a, device)) {
     f.ahead_bytes = kAloneAheadBytes;
     f.no_l1 = true;
   }
-  if (plain_gated_call(a))
+  if (plain_gated_call(a)) {
     f.no_l1 = 3 * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice) <=
               2 * int64_t(l2_cache_bytes(device));
+    if (!f.no_l1 && (slices == 3 || (slices == 2 && slices_of(a) <= 48))) {
+      f.ahead_bytes = kGatedAheadBytes;
+      f.ctas_per_sm = slices == 3 ? kGatedCtasPerSm : 0;
+    }
+  }
   return f;
 }
 
@@ -601,7 +620,7 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   if (lean_slices > 0) {
     p.block = kFastFwdBlock;
     const FastFwdInputs inputs = fast_fwd_inputs(a, lean, p.threads);
-    const LeanFwdFetch fetch = lean_fwd_fetch(a, inputs, device);
+    const LeanFwdFetch fetch = lean_fwd_fetch(a, inputs, lean_slices, device);
     p.row_blocks = ceil_div(a.rows, int64_t(kFastFwdBlock / p.threads) *
                                         fast_fwd_rows(inputs, lean_slices, lean.dt));
     if (p.row_blocks <= INT_MAX)

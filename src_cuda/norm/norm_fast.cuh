@@ -377,15 +377,18 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   // both. In the residual kernel it moved nothing (-0.9 to +0.7), and the norm alone lost 5-9
   // points. The prenorm kernel's lanes 0 to R - 1 fetch into L2 the group's share of x in rows
   // a.ahead_rows past their own, lanes R to 2 R - 1 the residual's (kPrenormAheadBytes says why);
-  // the norm alone's lanes 0 to R - 1 x's, where its launcher asks (kAloneAheadBytes).
-  if (kPrenorm || (kIn == kFwdAlone && a.ahead_rows > 0)) {
+  // the plain gated kernels' likewise x's and z's, and the norm alone's lanes 0 to R - 1 x's,
+  // where their launcher asks (kGatedAheadBytes, kAloneAheadBytes).
+  if (kPrenorm || ((kIn == kFwdAlone || kPlainGated) && a.ahead_rows > 0)) {
     const int64_t r = r0 + lane % R + a.ahead_rows;
-    if (lane < (residual ? 2 : 1) * R && r < a.rows) {
-      const bool res = lane >= R;
-      const int bytes = slice_bytes(res ? S : D) / kSlice;
-      const int64_t at = r * (res ? a.residual_stride : a.x_stride) +
-                         int64_t(blockIdx.y) * a.group_size;
-      prefetch_l2_bulk(static_cast<const char*>(res ? a.residual : a.x) + at * bytes,
+    if (lane < (kPrenorm || kPlainGated ? 2 : 1) * R && r < a.rows) {
+      const bool second = lane >= R;  // the residual's or z's share
+      const Dtype dt = second && kPrenorm ? S : D;
+      const int64_t stride = !second ? a.x_stride : kPrenorm ? a.residual_stride : a.z_stride;
+      const void* base = !second ? a.x : kPrenorm ? a.residual : a.z;
+      const int bytes = slice_bytes(dt) / kSlice;
+      const int64_t at = r * stride + int64_t(blockIdx.y) * a.group_size;
+      prefetch_l2_bulk(static_cast<const char*>(base) + at * bytes,
                        unsigned(a.group_size * bytes));
     }
   }
@@ -946,7 +949,18 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
   // 88.9-90.0 at 384. Rows beside a residual lost 0.2-2.5 points at 256-768 (RMSNorm + residual, in
   // one process).
   args.no_l1 = fetch.no_l1;
-  kernel<<<grid, p.block, 0, stream>>>(args);
+  // A cap on the CTAs an SM holds (lean_fwd_fetch has the measurements) is dynamic shared memory
+  // the kernel never touches: as much a CTA as leaves room for no more than the cap. The opt-in
+  // as launch_rows asks it.
+  size_t smem = 0;
+  if (fetch.ctas_per_sm > 0) {
+    cudaError_t err = cudaOccupancyAvailableDynamicSMemPerBlock(&smem, kernel, fetch.ctas_per_sm,
+                                                                int(p.block));
+    if (err == cudaSuccess)
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<grid, p.block, smem, stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -120,12 +120,19 @@ constexpr int64_t kPrenormAheadBytes = int64_t(1) << 20;
 // lost to 4 (78.5-78.7 at 512, 83.3 at 768), 16 MB to none (76.3-76.5, 71.0-71.1); 1 MB and 256
 // KB gained about half as much. On 131072 rows: 94.6 / 96.1 at 512, 96.9 / 97.5 at 768.
 constexpr int64_t kAloneAheadBytes = int64_t(4) << 20;
+// The plain gated call past twice the L2 fetches x and z into L2 kGatedAheadBytes of x ahead of
+// its rows at two slices a lane up to 48 slices and at three, and at three caps its CTAs at
+// kGatedCtasPerSm an SM (lean_fwd_fetch, norm_cuda.cu, has the measurements).
+constexpr int64_t kGatedAheadBytes = int64_t(2) << 20;
+constexpr int kGatedCtasPerSm = 5;
 // How a lean forward fetches its inputs (lean_fwd_fetch, norm_cuda.cu): how far ahead of its rows
-// the prenorm kernel or the norm alone's fetches x (and the residual) into L2, 0 for not at all;
-// whether x (and z) are loaded without allocating them in L1.
+// the prenorm kernel, the norm alone's or the plain gated ones fetch x (and the residual or z)
+// into L2, 0 for not at all; whether x (and z) are loaded without allocating them in L1; the
+// most CTAs an SM may hold, 0 for as many as fit.
 struct LeanFwdFetch {
   int64_t ahead_bytes = 0;
   bool no_l1 = false;
+  int ctas_per_sm = 0;
 };
 // Whether a gated call has none of the options Mamba-2's RMSNormGated leaves out: no residual in
 // or out, a weight of float32 or x's dtype, no bias, not zero-centred (norm_cuda.cu). Its lean
