@@ -38,6 +38,13 @@ int l2_cache_bytes(int device) {
   return cached_attribute(cached, cudaDevAttrL2CacheSize, device);
 }
 
+double dram_bytes_per_second(int device) {
+  static std::atomic<int> clock_khz[64], bus_bits[64];
+  const int khz = cached_attribute(clock_khz, cudaDevAttrMemoryClockRate, device);
+  const int bits = cached_attribute(bus_bits, cudaDevAttrGlobalMemoryBusWidth, device);
+  return 2.0 * 1e3 * khz * (bits / 8);
+}
+
 namespace {
 // Compiled for the same architectures as every kernel of the library, so the code the device
 // picks for it has the architecture the device picks for the others.

@@ -19,6 +19,10 @@ int multiprocessor_count(int device);
 // The device's L2 cache in bytes, asked once per device and cached; 0 if the query fails.
 int l2_cache_bytes(int device);
 
+// The device's peak DRAM bandwidth in bytes a second (two transfers a memory clock across the
+// bus), from attributes asked once per device and cached; 0 if a query fails.
+double dram_bytes_per_second(int device);
+
 // Whether the code the current device runs was compiled for sm_90 or later, so kernels that
 // use thread-block clusters (compiled only there) can launch; asked once per device and cached.
 // The caller makes `device` current (CudaDeviceGuard).

@@ -317,6 +317,21 @@ bool plain_gated_call(const NormArgs& a) {
   return a.z.present() && !a.residual.present() && !a.residual_out.present() && plain_weight(a);
 }
 
+// Two slices a thread keep half the bytes of four in flight, too few for a device whose DRAM
+// outruns kSpreadGatedMaxDram bytes a second. There gated rows of whole pairs up to 96 slices
+// (512 columns) take the lean forward, and the staged forward's narrow gated segments four slices
+// a thread (staged_plan). One H200 (the attributes give 4.81 TB/s; copy 4.22), % of copy, direct
+// timing, Mamba-2's gated RMSNorm (bf16 x and z, float32 weight, 32768 rows), two slices in
+// blocks of 128 / four in blocks of 128 / four in 256 (torch.compile): 74.8-75.8 / 78.4-79.8 /
+// 77.3-77.5 at 512 columns (88.5-88.6), 79.3-80.4 / 89.3-89.9 / 88.4-88.5 at 1024 (95.1-95.2),
+// the gate after 77.6-79.1 / 87.9-89.6 / 86.1-86.3 (93.2-93.3), 8192 columns in groups of 1024
+// 85.6-86.7 / 102.2-103.7 / 99.5-99.6 (62.4-62.5); the lean forward at 512 88.2-88.3, the gate
+// after 88.3-88.4 (staged 74.6-74.9 / 78.6-78.8). The H100 (3.35 TB/s) keeps the plans above.
+constexpr double kSpreadGatedMaxDram = 4e12;
+bool spread_gated_pairs(int device) {
+  return dram_bytes_per_second(device) <= kSpreadGatedMaxDram;
+}
+
 // Whether two slices a lane fill a power-of-two count of lanes: none idle.
 bool whole_pairs(int nslices) {
   return nslices % 2 == 0 && pow2_at_least(nslices / 2) == nslices / 2;
@@ -351,10 +366,11 @@ bool whole_pairs(int nslices) {
 //   (compile 91.8), 91.3 / 92.6 at 512, 93.5 / 94.0 at 640, 94.5 / 95.0 at 768 (96.9), 94.6 / 95.6
 //   at 1024.
 // - gated 16-bit rows, the gate first (Mamba-2's), up to 3 * kFastFwdSlices slices but for the
-//   staged forward's whole pairs (512 columns; staged_plan): 2 or 3 slices a lane as for the
-//   others, the gate's order compiled in and the weight fetched late (72-80 registers; held to 64
-//   by launch bounds they spilled and lost up to 11 points). One H100, direct, Mamba-2's gated
-//   RMSNorm, staged / lean (torch.compile): 78.1-79.1 / 78.7-79.3 at 320 columns (80.3), 81.7-81.8
+//   staged forward's whole pairs (512 columns; staged_plan) where spread_gated_pairs: 2 or 3
+//   slices a lane as for the others, the gate's order compiled in and the weight fetched late
+//   (72-80 registers; held to 64 by launch bounds they spilled and lost up to 11 points). One
+//   H100, direct, Mamba-2's gated RMSNorm, staged / lean (torch.compile): 78.1-79.1 / 78.7-79.3 at
+//   320 columns (80.3), 81.7-81.8
 //   / 81.4-81.9 at 384 (85.4), 80.8-81.5 / 83.4-83.6 at 448 (88.2), 86.9-87.4 / 85.0-85.8 at 512
 //   (90.1), 86.7-86.8 / 87.4-87.5 at 576 (92.5), 88.5-88.7 / 88.2-88.8 at 640 (93.4), 90.0-90.1 /
 //   91.0-91.1 at 768 (93.9), 94.7 / 92.9-93.6 at 1024 at four (95.8). Before the gate's order was
@@ -366,14 +382,15 @@ bool whole_pairs(int nslices) {
 //   (85.4), 87.5-87.7 / 87.5-88.3 at 640 (89.3), 89.5-89.6 / 90.7-91.0 at 768 (93.7).
 // - not taken: 16-bit rows beside a residual of their dtype at four outside the prenorm call (level
 //   in the residual kernel: 95.1-95.6 / 95.1-95.3 at 1024).
-int lean_fwd_slices(const NormArgs& a, LeanDtypes d) {
+int lean_fwd_slices(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
   if (!d.ok) return 0;
   if (nslices <= kFastFwdSlices) return 1;
   if (Dtype(d.dt) == Dtype::F32) return 0;
   auto slots = [&](int k) { return k * pow2_at_least(ceil_div(nslices, k)); };
   if (a.z.present()) {
-    if (nslices > 3 * kFastFwdSlices || whole_pairs(nslices)) return 0;
+    if (nslices > 3 * kFastFwdSlices || (whole_pairs(nslices) && spread_gated_pairs(device)))
+      return 0;
     return nslices > 2 * kFastFwdSlices || slots(3) < slots(2) ? 3 : 2;
   }
   const bool alone = !a.residual.present() && !a.residual_out.present();
@@ -594,7 +611,9 @@ bool staged_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   // (78 / 93 at 4096 columns), and so did more threads in the clusters (79 / 84 at 32768).
   const bool gated = a.z.present();
   const bool narrow_gated = gated && nslices <= kStagedNarrowGatedSlices;
-  const bool spread = cluster == 1 && (!gated || (narrow_gated && whole_pairs(nslices)));
+  const bool spread =
+      cluster == 1 && (!gated || (narrow_gated && whole_pairs(nslices) &&
+                                  spread_gated_pairs(device)));
   p = shape_plan(a, spread ? 2 : kStagedSlices, cluster);
   // A cluster exchanges one sum a CTA (cluster_push_sum): one segment a block there too. Gated
   // segments share blocks of at least 256 threads, 128 up to kStagedNarrowGatedSlices.
@@ -615,7 +634,7 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   const int dt = common_row_dtype(a);
   const LeanDtypes lean = fwd_lean_dtypes(a, can_vectorize(a));
   const int sms = std::max(1, multiprocessor_count(device));  // cached after the first call
-  const int lean_slices = lean_fwd_slices(a, lean);
+  const int lean_slices = lean_fwd_slices(a, lean, device);
   NormPlan p = shape_plan(a, std::max(lean_slices, 1));
   if (lean_slices > 0) {
     p.block = kFastFwdBlock;
