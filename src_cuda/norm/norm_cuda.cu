@@ -366,16 +366,15 @@ bool whole_pairs(int nslices) {
 //   (compile 91.8), 91.3 / 92.6 at 512, 93.5 / 94.0 at 640, 94.5 / 95.0 at 768 (96.9), 94.6 / 95.6
 //   at 1024.
 // - gated 16-bit rows, the gate first (Mamba-2's), up to 3 * kFastFwdSlices slices but for the
-//   staged forward's whole pairs (512 columns; staged_plan) where spread_gated_pairs: 2 or 3
-//   slices a lane as for the others, the gate's order compiled in and the weight fetched late
-//   (72-80 registers; held to 64 by launch bounds they spilled and lost up to 11 points). One
-//   H100, direct, Mamba-2's gated RMSNorm, staged / lean (torch.compile): 78.1-79.1 / 78.7-79.3 at
-//   320 columns (80.3), 81.7-81.8
-//   / 81.4-81.9 at 384 (85.4), 80.8-81.5 / 83.4-83.6 at 448 (88.2), 86.9-87.4 / 85.0-85.8 at 512
-//   (90.1), 86.7-86.8 / 87.4-87.5 at 576 (92.5), 88.5-88.7 / 88.2-88.8 at 640 (93.4), 90.0-90.1 /
-//   91.0-91.1 at 768 (93.9), 94.7 / 92.9-93.6 at 1024 at four (95.8). Before the gate's order was
-//   compiled in (silu(z) kept in float32 beside s silu(z), 125-160 registers) they lost: 80.8 /
-//   76.7-77.2 at 384, 87.2 / 67.6 at 640 at four.
+//   staged forward's whole pairs (512 columns; staged_plan) where spread_gated_pairs: 2 or 3 slices
+//   a lane as for the others, the gate's order compiled in and the weight fetched late (72-80
+//   registers; held to 64 by launch bounds they spilled and lost up to 11 points). One H100,
+//   direct, Mamba-2's gated RMSNorm, staged / lean (torch.compile): 78.1-79.1 / 78.7-79.3 at 320
+//   columns (80.3), 81.7-81.8 / 81.4-81.9 at 384 (85.4), 80.8-81.5 / 83.4-83.6 at 448 (88.2),
+//   86.9-87.4 / 85.0-85.8 at 512 (90.1), 86.7-86.8 / 87.4-87.5 at 576 (92.5), 88.5-88.7 / 88.2-88.8
+//   at 640 (93.4), 90.0-90.1 / 91.0-91.1 at 768 (93.9), 94.7 / 92.9-93.6 at 1024 at four (95.8).
+//   Before the gate's order was compiled in (silu(z) kept in float32 beside s silu(z), 125-160
+//   registers) they lost: 80.8 / 76.7-77.2 at 384, 87.2 / 67.6 at 640 at four.
 // - gated 16-bit rows, the gate after the norm (y = norm(s) silu(z)), the same slices: staged /
 //   lean (torch.compile), one H100, direct: 76.9-77.2 / 77.5-77.6 at 320 columns (69.7), 79.3-79.5
 //   / 81.5-81.9 at 384 (77.1), 80.2-80.7 / 82.5-82.9 at 448 (82.4), 84.5-84.6 / 86.5-86.7 at 576
@@ -581,7 +580,8 @@ NormPlan ring_fwd_shape(const NormArgs& a, int cluster, int K) {
 
 // Gated segments the staged forward takes (those lean_fwd_slices leaves) up to 128
 // slices (1024 16-bit columns) share blocks of 128 threads, and take two slices a thread where
-// that leaves no lane idle (whole_pairs): 512 and 1024 columns. One H100, % of copy, direct
+// that leaves no lane idle (whole_pairs: 512 and 1024 columns) and the device's DRAM lets them
+// (spread_gated_pairs). One H100, % of copy, direct
 // timing, Mamba-2's gated RMSNorm (bf16 x and z, float32 weight, 32768 rows), four slices a
 // thread in blocks of 256 / 128 / two slices in blocks of 128 (torch.compile): 75.9 / 78.4 /
 // 65.6 at 320 columns (79.8), 81.3 / 80.7 / 76.3 at 384 (85.5), 82.9 / 83.8 / 86.3 at 512
