@@ -64,13 +64,13 @@ Triton files are loaded from it by path without running the package's __init__ (
 the compiled CUDA extensions); otherwise its columns read "-". Needs triton (and einops for
 the gated kernel). Its kernels stop at 64 KB per row, so hidden 65536 in bf16 reads "-".
 
-Writes benchmarks/results/norm_<gpu>.json and prints a table last. --dry-run runs tiny rows
-on the CPU (no JSON) only to exercise the code paths where no GPU is at hand.
+Writes benchmarks/results/norm_<gpu>.json, rewritten after each row so that a run cut short keeps
+what it measured, and prints a table last. --dry-run runs tiny rows on the CPU (no JSON) only to
+exercise the code paths where no GPU is at hand.
 """
 import argparse
 import gc
 import importlib.util
-import json
 import os
 import platform
 import statistics
@@ -81,6 +81,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+import _common as cm
 
 try:
     import libssm
@@ -530,6 +532,17 @@ def main():
     copy = copy_tbps(timer, device, copy_bytes, max(args.reps, 10), args.rounds)
     print(f"device-to-device copy: {copy:.3f} TB/s (read + written bytes)", flush=True)
 
+    # The JSON is rewritten after every row, so a run cut short (a call's time limit) keeps the
+    # rows it measured.
+    out = None if args.dry_run else cm.results_path("norm", gpu)
+    meta = dict(
+        gpu=gpu, torch=torch.__version__,
+        triton=getattr(sys.modules.get("triton"), "__version__", None),
+        libssm=getattr(libssm, "__version__", None), mamba_ssm=mamba_from,
+        host=platform.node(), copy_tbps=copy, reps=args.reps, rounds=args.rounds,
+        fwd_mode=args.fwd_mode, flush_l2=args.flush_l2, lead_ms=args.lead_ms,
+        max_elements=max_elements,
+        backward_timing="forward untimed, then torch.autograd.grad of all outputs timed")
     results = []
     for row in rows:
         fwd_bytes, bwd_bytes = nbytes(row)
@@ -560,6 +573,8 @@ def main():
             if device == "cuda":
                 torch.cuda.empty_cache()
         del leaves, grads, ref
+        if out is not None:
+            cm.write_json(out, dict(meta, results=results))
         torch._dynamo.reset()  # frees the compiled graphs and their cached shapes
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -569,21 +584,6 @@ def main():
             if r["impl"] == impl and row_key(r) == row_key(row):
                 return r[key]
         return None
-
-    if args.dry_run:
-        out = None
-    else:
-        out = Path(__file__).parent / "results" / f"norm_{gpu.replace(' ', '_')}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        triton_version = getattr(sys.modules.get("triton"), "__version__", None)
-        out.write_text(json.dumps(dict(
-            gpu=gpu, torch=torch.__version__, triton=triton_version,
-            libssm=getattr(libssm, "__version__", None), mamba_ssm=mamba_from,
-            host=platform.node(), copy_tbps=copy, reps=args.reps, rounds=args.rounds,
-            fwd_mode=args.fwd_mode,
-            flush_l2=args.flush_l2, lead_ms=args.lead_ms, max_elements=max_elements,
-            backward_timing="forward untimed, then torch.autograd.grad of all outputs timed",
-            results=results), indent=1))
 
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
 
