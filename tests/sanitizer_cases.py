@@ -204,14 +204,16 @@ NORM_CASES = [
     (7, 14336, 0, "layer", torch.float32, torch.float32, True, False, 0, torch.float32),
     # The staged forward's gated segments up to 128 slices, two slices a thread (64 slices on a
     # row count that leaves the last block short; 128 slices; groups of 128) and four (97
-    # slices). Past 4 TB/s of DRAM (spread_gated_pairs) 64 slices take the lean forward and 128
-    # four slices a thread.
+    # slices). Past 4 TB/s of DRAM (spread_gated_pairs) 64 slices take the lean forward, 128 in
+    # one group (and 121: lanes 25-31 holding three) the lean forward at four slices a lane, and
+    # 128 in groups four slices a thread.
     (77, 512, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
     (21, 512, 0, "rms", torch.float16, torch.float16, True, True, 0, None),
     (13, 1024, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
     (9, 2048, 1024, "layer", torch.float16, torch.float16, True, True, 0, torch.float16),
     (5, 8192, 1024, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
     (11, 776, 0, "rms", torch.bfloat16, torch.bfloat16, True, True, 0, torch.bfloat16),
+    (37, 968, 0, "rms", torch.float16, torch.float16, True, False, 0, None),
     # The lean forward's three slices a lane for the norm alone: 41 slices in 16 lanes, lanes 9-15
     # idle for the third; two groups of 65 in 32 lanes, lane 0 alone holding a third.
     (37, 328, 0, "layer", torch.bfloat16, torch.float32, False, False, 0, None),

@@ -208,15 +208,18 @@ FAST_ROWS = (
 # The staged forward's gated segments up to 128 slices (staged_plan, norm_cuda.cu), in blocks of
 # 128 threads: two slices a thread where that leaves no lane idle, 64 slices (a warp a segment, on
 # a row count that leaves the last block short) and two groups of 128 (two warps), gated after
-# the norm, LayerNorm beside a residual; four elsewhere, 40 slices (16 threads, 6 idle) and 97
-# (lane 0 holding a fourth). On a device of more than 4 TB/s of DRAM (spread_gated_pairs) the
-# 64-slice row takes the lean forward at two slices a lane and the others four slices a thread.
+# the norm, LayerNorm beside a residual; four elsewhere, 40 slices (16 threads, 6 idle), 97
+# (lane 0 holding a fourth) and 121 (lanes 25-31 holding three). On a device of more than 4 TB/s
+# of DRAM (spread_gated_pairs) the 64-slice row takes the lean forward at two slices a lane, the
+# plain gated rows of 121 and 128 slices in one group the lean forward at four slices a lane
+# (lanes 25-31 holding three at 121), and the others four slices a thread.
 STAGED_GATED_ROWS = (
     BASE.replace(hidden=512, z=True, norm_before_gate=False, lead=(77,)),
     LAYER.replace(hidden=2048, group_size=1024, z=True, residual=True, lead=(9,)),
     BASE.replace(hidden=1024, z=True, lead=(13,)),
     GATED.replace(hidden=320, group_size=0, lead=(21,)),
     GATED.replace(hidden=776, group_size=0, lead=(11,)),
+    GATED.replace(hidden=968, group_size=0, residual=False, prenorm=False, lead=(37,)),
 )
 # The lean forward's gated rows past 32 slices (lean_fwd_slices, norm_cuda.cu), the gate first:
 # two slices a lane at 56 slices (lanes 24-31 holding one) on an odd row count beside a residual;

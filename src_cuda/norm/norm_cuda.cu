@@ -338,8 +338,9 @@ bool whole_pairs(int nslices) {
 }
 
 // The lean forward's slices a lane (norm_plan.h) for a lean call, or 0 where it does not take it: 1
-// up to kFastFwdSlices slices; for gated 16-bit rows (the gate first) 2 or 3 up to three times that
-// (the last item below); for 16-bit rows without a gate, 2 up to twice that and 4 up to four times
+// up to kFastFwdSlices slices; for gated 16-bit rows 2 or 3 up to three times that, and past
+// kSpreadGatedMaxDram the plain gated call in one group 4 up to four times that (the last items
+// below); for 16-bit rows without a gate, 2 up to twice that and 4 up to four times
 // that for the prenorm call, beside a float32 stream, and without a residual below the plain
 // forward's kPlainMinSlices (plain_plan); the norm alone and the rows beside a float32
 // stream take 3 instead where that leaves fewer lanes idle (264-384 and 520-768 columns: 16
@@ -379,6 +380,13 @@ bool whole_pairs(int nslices) {
 //   lean (torch.compile), one H100, direct: 76.9-77.2 / 77.5-77.6 at 320 columns (69.7), 79.3-79.5
 //   / 81.5-81.9 at 384 (77.1), 80.2-80.7 / 82.5-82.9 at 448 (82.4), 84.5-84.6 / 86.5-86.7 at 576
 //   (85.4), 87.5-87.7 / 87.5-88.3 at 640 (89.3), 89.5-89.6 / 90.7-91.0 at 768 (93.7).
+// - the plain gated call in one group at 97-128 slices (776-1024 columns) past
+//   kSpreadGatedMaxDram: four slices a lane, the weight fetched early, against the staged
+//   forward's four slices a thread. One H200, direct, Mamba-2's gated RMSNorm (the gate first
+//   unless said), staged / lean (torch.compile): 83.8-84.1 / 91.3-91.7 at 896 columns (93.3),
+//   85.6-86.1 / 92.2-92.4 at 968 (94.0), 89.4-90.2 / 92.7-93.3 at 1024 (95.1), the gate after
+//   89.4-89.7 / 92.7-93.0 (93.3); 8192 columns in groups of 1024 lost (102.9-103.0 / 97.7-97.8),
+//   so groups keep the staged forward.
 // - not taken: 16-bit rows beside a residual of their dtype at four outside the prenorm call (level
 //   in the residual kernel: 95.1-95.6 / 95.1-95.3 at 1024).
 int lean_fwd_slices(const NormArgs& a, LeanDtypes d, int device) {
@@ -388,8 +396,12 @@ int lean_fwd_slices(const NormArgs& a, LeanDtypes d, int device) {
   if (Dtype(d.dt) == Dtype::F32) return 0;
   auto slots = [&](int k) { return k * pow2_at_least(ceil_div(nslices, k)); };
   if (a.z.present()) {
-    if (nslices > 3 * kFastFwdSlices || (whole_pairs(nslices) && spread_gated_pairs(device)))
-      return 0;
+    const bool spread = spread_gated_pairs(device);
+    if (nslices > 3 * kFastFwdSlices)
+      return !spread && nslices <= 4 * kFastFwdSlices && a.ngroups == 1 && plain_gated_call(a)
+                 ? 4
+                 : 0;
+    if (whole_pairs(nslices) && spread) return 0;
     return nslices > 2 * kFastFwdSlices || slots(3) < slots(2) ? 3 : 2;
   }
   const bool alone = !a.residual.present() && !a.residual_out.present();

@@ -885,8 +885,9 @@ auto fast_fwd_kernel(int slices) {
 }
 
 // The gated lean forward kernel, kIn the gate's order: for the plain gated call
-// (plain_gated_call, norm_plan.h) the one with its options compiled out, its weight's dtype kWt;
-// for the others the one that reads them at run time. One H100, RMSNorm of bf16 x and z, float32
+// (plain_gated_call, norm_plan.h) the one with its options compiled out, its weight's dtype kWt,
+// up to four slices a lane (lean_fwd_slices); for the others the one that reads them at run
+// time, up to three. One H100, RMSNorm of bf16 x and z, float32
 // weight, the gate first: 64 / 48 registers at one slice a lane, 77 / 70 at two, 69 / 56 at
 // three; the gate after: 64 / 56, 96 / 80, 70 / 64. % of copy, direct timing, 32768 rows, x
 // and z through L1 (lean_fwd_fetch), run time / compiled out: the gate first 94.0-94.1 /
@@ -908,10 +909,10 @@ auto gated_fwd_kernel(const NormArgs& a, int slices) {
     return L ? fast_fwd_kernel<kDt, kRt, kIn, true, 3>(slices)
              : fast_fwd_kernel<kDt, kRt, kIn, false, 3>(slices);
   if (a.weight.dtype == Dtype::F32)
-    return L ? fast_fwd_kernel<kDt, kRt, kIn, true, 3, F>(slices)
-             : fast_fwd_kernel<kDt, kRt, kIn, false, 3, F>(slices);
-  return L ? fast_fwd_kernel<kDt, kRt, kIn, true, 3, kDt>(slices)
-           : fast_fwd_kernel<kDt, kRt, kIn, false, 3, kDt>(slices);
+    return L ? fast_fwd_kernel<kDt, kRt, kIn, true, 4, F>(slices)
+             : fast_fwd_kernel<kDt, kRt, kIn, false, 4, F>(slices);
+  return L ? fast_fwd_kernel<kDt, kRt, kIn, true, 4, kDt>(slices)
+           : fast_fwd_kernel<kDt, kRt, kIn, false, 4, kDt>(slices);
 }
 
 template <int kDt, int kRt>
