@@ -384,7 +384,7 @@ bool whole_pairs(int nslices) {
 //   kSpreadGatedMaxDram: four slices a lane, the weight fetched early, against the staged
 //   forward's four slices a thread. One H200, direct, Mamba-2's gated RMSNorm (the gate first
 //   unless said), staged / lean (torch.compile): 83.8-84.1 / 91.3-91.7 at 896 columns (93.3),
-//   85.6-86.1 / 92.2-92.4 at 968 (94.0), 89.4-90.2 / 92.7-93.3 at 1024 (95.1), the gate after
+//   85.6-86.1 / 92.2-92.4 at 968 (94.0), 90.0-90.3 / 92.9-93.3 at 1024 (95.1), the gate after
 //   89.4-89.7 / 92.7-93.0 (93.3); 8192 columns in groups of 1024 lost (102.9-103.0 / 97.7-97.8),
 //   so groups keep the staged forward.
 // - not taken: 16-bit rows beside a residual of their dtype at four outside the prenorm call (level
