@@ -211,8 +211,9 @@ FAST_ROWS = (
 # the norm, LayerNorm beside a residual; four elsewhere, 40 slices (16 threads, 6 idle), 97
 # (lane 0 holding a fourth) and 121 (lanes 25-31 holding three). On a device of more than 4 TB/s
 # of DRAM (spread_gated_pairs) the 64-slice row takes the lean forward at two slices a lane, the
-# plain gated rows of 121 and 128 slices in one group the lean forward at four slices a lane
-# (lanes 25-31 holding three at 121), and the others four slices a thread.
+# plain gated rows of 121, 125 (a LayerNorm without a bias: lanes 29-31 holding three) and 128
+# slices in one group the lean forward at four slices a lane (lanes 25-31 holding three at 121),
+# and the others four slices a thread.
 STAGED_GATED_ROWS = (
     BASE.replace(hidden=512, z=True, norm_before_gate=False, lead=(77,)),
     LAYER.replace(hidden=2048, group_size=1024, z=True, residual=True, lead=(9,)),
@@ -220,6 +221,7 @@ STAGED_GATED_ROWS = (
     GATED.replace(hidden=320, group_size=0, lead=(21,)),
     GATED.replace(hidden=776, group_size=0, lead=(11,)),
     GATED.replace(hidden=968, group_size=0, residual=False, prenorm=False, lead=(37,)),
+    LAYER.replace(hidden=1000, bias=False, z=True, norm_before_gate=False, lead=(9,)),
 )
 # The lean forward's gated rows past 32 slices (lean_fwd_slices, norm_cuda.cu), the gate first:
 # two slices a lane at 56 slices (lanes 24-31 holding one) on an odd row count beside a residual;
