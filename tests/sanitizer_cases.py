@@ -125,9 +125,15 @@ NORM_CASES = [
     (15, 200, 0, "rms", torch.float16, torch.float32, True, True, 0, None),
     (11, 328, 0, "rms", torch.bfloat16, torch.bfloat16, True, True, 0, None),
     # The plain gated call past twice the L2 (x, z and y beyond twice 60 MB) fetches x and z
-    # ahead into L2 at two slices a lane (40 slices), and at three (95) holds fewer CTAs an SM.
+    # ahead into L2 at two slices a lane (40 slices), and at three (95) holds fewer CTAs an SM
+    # where the DRAM is not past 4 TB/s.
     (65001, 320, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
     (27001, 760, 0, "rms", torch.bfloat16, torch.float32, True, True, 0, None),
+    # The prenorm RMSNorm past the L2 (x, residual, y and residual_out beyond 60 MB), which past
+    # 4 TB/s of DRAM loads x and the residual without allocating them in L1: one slice a lane,
+    # and two at 41 slices (lanes 9-31 holding one).
+    (31001, 256, 0, "rms", torch.bfloat16, torch.float32, False, False, 0, torch.bfloat16),
+    (24001, 328, 0, "rms", torch.float16, torch.float16, False, False, 0, torch.float16),
     # The prenorm RMSNorm forward: 25 slices in a warp with a float32 weight, the last group of
     # four rows short; two slices a lane; four (125 slices, lanes 29-31 holding three; 65, lane 0
     # holding a third; two groups of 128); float32 rows; and the same call beside a float32
@@ -247,11 +253,14 @@ def run_norm_cases():
 
 # rows, hidden, kind, x dtype, prenorm: the float32 residual stream (Mamba's residual_in_fp32)
 # through the torch adapter, whose backward writes dx in x's dtype and dresidual in float32 (the
-# generic API's dx follows s): the lean backward at 4096 columns, the ring backward's clusters
-# past 8192 (two CTAs of 513 and 512 slices; four without dresidual_out), with enough rows that
-# every cluster walks its ring of stages more than once.
+# generic API's dx follows s): the lean backward at 4096 columns, the ring backward past that (a
+# LayerNorm's from 4104), one CTA up to 8192 columns (641 slices in 352 threads, the last lanes
+# idle; 1024 in 512), clusters past it (two CTAs of 513 and 512 slices; four without
+# dresidual_out), with enough rows that every CTA walks its ring of stages more than once.
 NORM_STREAM_CASES = [
     (33, 4096, "layer", torch.bfloat16, True),
+    (500, 5128, "layer", torch.bfloat16, True),
+    (200, 8192, "layer", torch.float16, True),
     # The lean backward's one slice a thread (up to 512 slices): 49 slices in 64 threads, two
     # rows a CTA; 128 in 128; one slice a segment, 128 rows a CTA.
     (37, 392, "layer", torch.bfloat16, True),

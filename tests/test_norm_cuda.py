@@ -335,10 +335,10 @@ def test_plain_gated_rows(case, dtype, weight, seed):
 
 
 # Up to twice the L2 the plain gated call loads x and z without allocating them in L1; past it
-# through L1, at two slices a lane up to 48 slices and at three fetching them into L2 rows ahead,
-# at three with fewer CTAs an SM (lean_fwd_fetch, norm_cuda.cu): rows just past that, at one
-# slice a lane (256 columns), at two up to and beyond 48 slices (384, 448; groups of 384 in 768)
-# and at three (760).
+# through L1, at two slices a lane up to 48 slices and, where the DRAM is not past 4 TB/s, at
+# three fetching them into L2 rows ahead with fewer CTAs an SM (lean_fwd_fetch, norm_cuda.cu):
+# rows just past that, at one slice a lane (256 columns), at two up to and beyond 48 slices (384,
+# 448; groups of 384 in 768) and at three (760).
 @pytest.mark.parametrize("before", [False, True])
 @pytest.mark.parametrize("hidden,group_size", [(256, 0), (384, 0), (448, 0), (768, 384), (760, 0)])
 def test_plain_gated_past_twice_the_l2(before, hidden, group_size, seed):
@@ -418,13 +418,17 @@ def test_ring_rows(case, dtype, weight, seed):
 
 # Beside a float32 residual stream (Mamba's residual_in_fp32) the torch adapter asks the
 # backward for dx in x's dtype and dresidual in float32 (the generic API's dx follows s): the
-# lean backward up to 1024 slices (4096 columns, one CTA), past that the ring backward's clusters
-# of CTAs of up to 1024 slices, 2 a thread: 8200 columns (two CTAs of 513 and 512 slices), 16384
-# (two full ones), 24584 without prenorm (no dresidual_out; four CTAs of 769 slices, the last
-# 766; a bias and a zero-centred weight) and 65536 (eight), enough rows that every cluster walks
-# its ring of three stages more than once.
+# lean backward (one CTA) up to 512 slices (4096 columns) for a LayerNorm, 1024 (8192) for an
+# RMSNorm, past that the ring backward, 2 slices a thread: one CTA up to 1024 slices (a LayerNorm
+# at 5128 columns: 641 slices in 352 threads, lane 320 holding one; at 8192 every lane of 512
+# full), then clusters of CTAs of up to 1024 slices: 8200 columns
+# (two CTAs of 513 and 512 slices), 16384 (two full ones), 24584 without prenorm (no
+# dresidual_out; four CTAs of 769 slices, the last 766; a bias and a zero-centred weight) and
+# 65536 (eight), enough rows that every CTA walks its ring of three stages more than once.
 STREAM_ROWS = (
     LAYER.replace(hidden=4096, residual=True, prenorm=True, lead=(64,)),
+    LAYER.replace(hidden=5128, residual=True, prenorm=True, lead=(500,)),
+    LAYER.replace(hidden=8192, residual=True, prenorm=True, lead=(400,)),
     LAYER.replace(hidden=8200, residual=True, prenorm=True, lead=(300,)),
     LAYER.replace(hidden=16384, residual=True, prenorm=True, lead=(400,)),
     BASE.replace(hidden=24584, residual=True, bias=True, zero_centered_weight=True, lead=(250,)),
@@ -773,6 +777,22 @@ def test_norm_alone_past_the_l2(kind, hidden, seed):
     rows = torch.cuda.get_device_properties(0).L2_cache_size // (2 * 2 * hidden) + 1001
     case = (LAYER if kind == "layer" else BASE).replace(hidden=hidden, lead=(rows,))
     inputs = make_norm_inputs(case, torch.bfloat16, seed, device="cuda")
+    fwd = run_forward(case, inputs)
+    check_forward(case, to_cpu(inputs),
+                  libssm.NormForward(*(None if t is None else t.cpu() for t in fwd)))
+
+
+# Past the L2 (x, residual, y and residual_out together) on a device whose DRAM passes 4 TB/s,
+# the prenorm RMSNorm up to 48 slices loads x and the residual without allocating them in L1
+# (lean_fwd_fetch, norm_cuda.cu): rows just past that at one slice a lane (256 columns), at two
+# with lanes idle (328: 41 slices), at the last width that takes it (384) and the first that does
+# not (392). Elsewhere the same rows take the loads through L1.
+@pytest.mark.parametrize("hidden", [256, 328, 384, 392])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_prenorm_past_the_l2(hidden, dtype, seed):
+    rows = torch.cuda.get_device_properties(0).L2_cache_size // (4 * 2 * hidden) + 1001
+    case = BASE.replace(hidden=hidden, residual=True, prenorm=True, lead=(rows,))
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda", dtypes={"weight": torch.float32})
     fwd = run_forward(case, inputs)
     check_forward(case, to_cpu(inputs),
                   libssm.NormForward(*(None if t is None else t.cpu() for t in fwd)))

@@ -317,8 +317,14 @@ bool plain_gated_call(const NormArgs& a) {
   return a.z.present() && !a.residual.present() && !a.residual_out.present() && plain_weight(a);
 }
 
-// Two slices a thread keep half the bytes of four in flight, too few for a device whose DRAM
-// outruns kSpreadGatedMaxDram bytes a second. There gated rows of whole pairs up to 96 slices
+// Whether the device's DRAM outruns kFastDram bytes a second (the H200's 4.8 TB/s by its
+// attributes, not the H100's 3.35): there more bytes must be in flight, and the plans measured on
+// both that differ say so.
+constexpr double kFastDram = 4e12;
+bool fast_dram(int device) { return dram_bytes_per_second(device) > kFastDram; }
+
+// Two slices a thread keep half the bytes of four in flight, too few for a fast_dram device.
+// There gated rows of whole pairs up to 96 slices
 // (512 columns) take the lean forward, and the staged forward's narrow gated segments four slices
 // a thread (staged_plan). One H200 (the attributes give 4.81 TB/s; copy 4.22), % of copy, direct
 // timing, Mamba-2's gated RMSNorm (bf16 x and z, float32 weight, 32768 rows), two slices in
@@ -327,10 +333,7 @@ bool plain_gated_call(const NormArgs& a) {
 // the gate after 77.6-79.1 / 87.9-89.6 / 86.1-86.3 (93.2-93.3), 8192 columns in groups of 1024
 // 85.6-86.7 / 102.2-103.7 / 99.5-99.6 (62.4-62.5); the lean forward at 512 88.2-88.3, the gate
 // after 88.3-88.4 (staged 74.6-74.9 / 78.6-78.8). The H100 (3.35 TB/s) keeps the plans above.
-constexpr double kSpreadGatedMaxDram = 4e12;
-bool spread_gated_pairs(int device) {
-  return dram_bytes_per_second(device) <= kSpreadGatedMaxDram;
-}
+bool spread_gated_pairs(int device) { return !fast_dram(device); }
 
 // Whether two slices a lane fill a power-of-two count of lanes: none idle.
 bool whole_pairs(int nslices) {
@@ -339,7 +342,7 @@ bool whole_pairs(int nslices) {
 
 // The lean forward's slices a lane (norm_plan.h) for a lean call, or 0 where it does not take it: 1
 // up to kFastFwdSlices slices; for gated 16-bit rows 2 or 3 up to three times that, and past
-// kSpreadGatedMaxDram the plain gated call in one group 4 up to four times that (the last items
+// kFastDram the plain gated call in one group 4 up to four times that (the last items
 // below); for 16-bit rows without a gate, 2 up to twice that and 4 up to four times
 // that for the prenorm call, beside a float32 stream, and without a residual below the plain
 // forward's kPlainMinSlices (plain_plan); the norm alone and the rows beside a float32
@@ -381,7 +384,7 @@ bool whole_pairs(int nslices) {
 //   / 81.5-81.9 at 384 (77.1), 80.2-80.7 / 82.5-82.9 at 448 (82.4), 84.5-84.6 / 86.5-86.7 at 576
 //   (85.4), 87.5-87.7 / 87.5-88.3 at 640 (89.3), 89.5-89.6 / 90.7-91.0 at 768 (93.7).
 // - the plain gated call in one group at 97-128 slices (776-1024 columns) past
-//   kSpreadGatedMaxDram: four slices a lane, the weight fetched early, against the staged
+//   kFastDram: four slices a lane, the weight fetched early, against the staged
 //   forward's four slices a thread. One H200, direct, Mamba-2's gated RMSNorm (the gate first
 //   unless said), staged / lean (torch.compile): 83.8-84.1 / 91.3-91.7 at 896 columns (93.3),
 //   85.6-86.1 / 92.2-92.4 at 968 (94.0), 90.0-90.3 / 92.9-93.3 at 1024 (95.1), the gate after
@@ -427,10 +430,13 @@ FastFwdInputs fast_fwd_inputs(const NormArgs& a, LeanDtypes d, int threads) {
   return threads == 32 && prenorm_call(a, d) ? kFwdPrenorm : kFwdResidual;
 }
 
-// Whether x and y, the norm alone's bytes, are more than the device's L2 holds: then they do not
-// stay there from one call to the next, and its forwards fetch x ahead of the rows they take.
-bool outgrows_l2(const NormArgs& a, int device) {
-  return 2 * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice) > l2_cache_bytes(device);
+// Whether `tensors` tensors of x's shape and dtype (the norm alone's x and y by default; the
+// prenorm call's x, residual, y and residual_out: 4) are more than the device's L2 holds: then
+// they do not stay there from one call to the next, and the norm alone's forwards fetch x ahead of
+// the rows they take.
+bool outgrows_l2(const NormArgs& a, int device, int tensors = 2) {
+  return tensors * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice) >
+         l2_cache_bytes(device);
 }
 
 // How the lean forward fetches its inputs (norm_plan.h): x (and the residual) ahead into L2 for
@@ -461,9 +467,25 @@ bool outgrows_l2(const NormArgs& a, int device) {
 // 48 slices 93.3-93.4 / 91.9 (94.5) at 416, 93.9-94.0 / 92.5 (95.9) at 448, 94.4 / 92.9-93.0
 // (95.4-95.5) at 480, where 4 MB did no better; so not there. At one slice a lane it lost too
 // (131072 rows of 256 columns, none / 4 MB with 5 CTAs: 95.7-95.8 / 94.3, compile 97.1-97.2).
+//
+// Past kFastDram (one H200), the prenorm call up to kPrenormNoL1Slices slices past the L2 loads x
+// and the residual without allocating them in L1, and the plain gated call at three slices a lane
+// neither fetches ahead nor caps its CTAs. % of copy, direct timing, bf16, float32 weight, 32768
+// rows; RMSNorm + residual, allocated / not (torch.compile): 81.0 / 92.4-93.0 at 256 columns
+// (86.7), 82.2 / 87.8 at 320 (84.2), 84.6 / 85.8 at 384 (87.2), but 86.7 / 85.6 at 448, 87.4-87.7
+// / 85.8 at 512; x alone not allocated 88.2 at 256 and level or lost from 320. Within the L2 it
+// lost (109.4 / 78.7 at 128 columns, compile 118.5). The plain gated call, 2 MB ahead and 5 CTAs
+// an SM / neither: 83.6 / 83.9 at 576 columns (82.6), 87.5 / 87.5-87.8 at 640 (88.5), 86.5 / 88.7
+// at 704 (92.5), 88.4-88.8 / 90.3-90.6 at 768 (95.0-95.5); the gate after 81.2 / 84.3 at 576
+// (74.8), 86.6 / 87.3 at 640 (80.3), 88.9-89.1 / 90.6-90.7 at 768 (91.7). Neither the cap alone
+// (83.3 at 768) nor fetching ahead alone (87.9) did as well.
+constexpr int kPrenormNoL1Slices = 48;
 LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int slices, int device) {
   LeanFwdFetch f;
-  if (inputs == kFwdPrenorm) f.ahead_bytes = kPrenormAheadBytes;
+  if (inputs == kFwdPrenorm) {
+    f.ahead_bytes = kPrenormAheadBytes;
+    f.no_l1 = fast_dram(device) && slices_of(a) <= kPrenormNoL1Slices && outgrows_l2(a, device, 4);
+  }
   if (inputs == kFwdAlone && a.x.dtype != Dtype::F32 && outgrows_l2(a, device)) {
     f.ahead_bytes = kAloneAheadBytes;
     f.no_l1 = true;
@@ -471,7 +493,7 @@ LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int slices,
   if (plain_gated_call(a)) {
     f.no_l1 = 3 * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice) <=
               2 * int64_t(l2_cache_bytes(device));
-    if (!f.no_l1 && (slices == 3 || (slices == 2 && slices_of(a) <= 48))) {
+    if (!f.no_l1 && ((slices == 3 && !fast_dram(device)) || (slices == 2 && slices_of(a) <= 48))) {
       f.ahead_bytes = kGatedAheadBytes;
       f.ctas_per_sm = slices == 3 ? kGatedCtasPerSm : 0;
     }
@@ -726,7 +748,7 @@ int ring_ctas(int nslices, Dtype rt, bool full, const NormArgs& a, int device) {
     }
   }
   const int cluster = int(ceil_div(nslices, most));
-  const int least = rt == Dtype::F32 ? kRingMinSlices : kRingAloneMinSlices;
+  const int least = rt == Dtype::F32 && !full ? kRingMinSlices : kRingAloneMinSlices;
   return nslices >= least && a.ngroups == 1 && cluster <= kMaxCluster &&
                  a.rows <= INT_MAX / cluster && cluster_kernels_run(device)
              ? cluster

@@ -274,7 +274,7 @@ struct FastFwdArgs {
   int64_t rows, group_size;
   int nslices, threads;
   int64_t ahead_rows;  // the L2 prefetch distance, 0 for none (set by the launcher)
-  bool no_l1 = false;  // x and z loaded without allocating them in L1 (set by the launcher)
+  bool no_l1 = false;  // x, z and the residual loaded without allocating them in L1 (launcher)
   float eps, inv_len;  // inv_len: 1 / group_size, so no thread converts and divides
   Dtype weight_dtype, bias_dtype;
   bool zero_centered_weight, norm_before_gate;
@@ -362,7 +362,8 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
       if (!ok(i, k)) continue;
       fetch_slice(a.x, D, offset(a.x_stride, i, k), kSlice, true, xs[i][k], load_hint);
       if (residual)
-        fetch_slice(a.residual, S, offset(a.residual_stride, i, k), kSlice, true, rs[i][k]);
+        fetch_slice(a.residual, S, offset(a.residual_stride, i, k), kSlice, true, rs[i][k],
+                    load_hint);
       if (kGate) fetch_slice(a.z, D, offset(a.z_stride, i, k), kSlice, true, zs[i][k], load_hint);
     }
   }
@@ -942,13 +943,14 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
     args.ahead_rows = std::max<int64_t>(fetch.ahead_bytes / row_bytes, 1);
   }
   // Loads not allocated in L1 (lean_fwd_fetch, norm_cuda.cu): the norm alone's x past the L2
-  // (fetched ahead there), the plain gated call's x and z up to twice the L2 (measured there). The
+  // (fetched ahead there), the plain gated call's x and z up to twice the L2, the narrow prenorm
+  // call's x and residual past the L2 on the H200 (measured there). The
   // norm alone, one H100, % of copy, direct timing, one process each (bf16, float32 weight, 32768
   // rows), allocated / not: RMSNorm alone 80.0-80.2 / 98.1-98.7 at 448 columns, 81.6 / 91.5-92.8 at
   // 512, 86.7-86.8 / 88.9-90.2 at 768, LayerNorm alone 78.1-78.8 / 87.7 at 512. Where the call fits
   // the L2 it lost: LayerNorm alone 90.8-90.9 / 80.7-81.3 at 256 columns, RMSNorm alone 90.4 /
   // 88.9-90.0 at 384. Rows beside a residual lost 0.2-2.5 points at 256-768 (RMSNorm + residual, in
-  // one process).
+  // one process, x alone not allocated, on an H100).
   args.no_l1 = fetch.no_l1;
   // A cap on the CTAs an SM holds (lean_fwd_fetch has the measurements) is dynamic shared memory
   // the kernel never touches: as much a CTA as leaves room for no more than the cap. The opt-in

@@ -121,14 +121,15 @@ constexpr int64_t kPrenormAheadBytes = int64_t(1) << 20;
 // KB gained about half as much. On 131072 rows: 94.6 / 96.1 at 512, 96.9 / 97.5 at 768.
 constexpr int64_t kAloneAheadBytes = int64_t(4) << 20;
 // The plain gated call past twice the L2 fetches x and z into L2 kGatedAheadBytes of x ahead of
-// its rows at two slices a lane up to 48 slices and at three, and at three caps its CTAs at
-// kGatedCtasPerSm an SM (lean_fwd_fetch, norm_cuda.cu, has the measurements).
+// its rows at two slices a lane up to 48 slices and, on a device whose DRAM is not past kFastDram,
+// at three, and there caps its CTAs at kGatedCtasPerSm an SM (lean_fwd_fetch, norm_cuda.cu, has
+// the measurements).
 constexpr int64_t kGatedAheadBytes = int64_t(2) << 20;
 constexpr int kGatedCtasPerSm = 5;
 // How a lean forward fetches its inputs (lean_fwd_fetch, norm_cuda.cu): how far ahead of its rows
 // the prenorm kernel, the norm alone's or the plain gated ones fetch x (and the residual or z)
-// into L2, 0 for not at all; whether x (and z) are loaded without allocating them in L1; the
-// most CTAs an SM may hold, 0 for as many as fit.
+// into L2, 0 for not at all; whether x (and z or the residual) are loaded without allocating
+// them in L1; the most CTAs an SM may hold, 0 for as many as fit.
 struct LeanFwdFetch {
   int64_t ahead_bytes = 0;
   bool no_l1 = false;
@@ -330,9 +331,10 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
 
 // The ring backward (norm_ring.cuh): whole rows of 16-bit x and dy without a residual stream or
 // a gate from kRingAloneMinSlices slices (past 4096 columns), beside a float32 stream from
-// kRingMinSlices (past the 8192 columns one lean CTA holds), kRingSlices a thread in one CTA of
-// p.threads, the rows copied by the bulk-copy engine into a ring of kRingStages shared-memory
-// stages (ring_bytes), each row's copies issued two rows ahead. Up to ring_max_slices (16384
+// kRingMinSlices (past the 8192 columns one lean CTA holds) but for kFull (below) from
+// kRingAloneMinSlices, kRingSlices a thread in one CTA of p.threads, the rows copied by the
+// bulk-copy engine into a ring of kRingStages shared-memory stages (ring_bytes), each row's
+// copies issued two rows ahead. Up to ring_max_slices (16384
 // columns, whose three stages fill an SM's shared memory) one CTA holds a row; past that the
 // CTAs of a cluster share it (p.cluster, p.cta_slices each; it returns
 // cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the device):
@@ -349,6 +351,10 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
 //   while its partial sums had the general kernel's rows, one CTA an SM.
 // - one CTA past that, against the lean clusters (direct timing): LayerNorm 70 / 81 at 12288
 //   columns, 71 / 84 at 16384; RMSNorm 78 / 90 at 16384.
+// - beside a float32 stream, one CTA against one lean CTA (bench, bf16 prenorm with dresidual,
+//   two runs): LayerNorm 78 / 96 at 4608 columns, 78-81 / 91 at 6144, 78 / 87-88 at 8192; RMSNorm
+//   98-99 / 96 at 4608, 95-96 / 88 at 8192, so it keeps the lean CTA to 8192. The cluster kernel
+//   must not run a cluster of one: its CTA wrote to shared memory past its own (memcheck).
 // - clusters, against the lean clusters up to 32768 columns and the general kernels beyond:
 //   LayerNorm 67-71 / 72-78 from 20480 to 32768, 60-67 / 69-75 from 40960 to 65536; RMSNorm
 //   76-79 / 81-89 from 24576 to 32768, 69-77 / 83 from 49152 to 65536, level at 20480 (78 / 76)

@@ -480,13 +480,10 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
   constexpr int K = ring_slices(Dtype(kRt));
   const bool full = a.layer_norm || a.dbias.present();
   const size_t smem = ring_bytes(p, Dtype(kRt));
-  // Beside a float32 stream a row past the lean backward's 1024 slices always takes a cluster.
-  if constexpr (kRt == kDt) {
-    if (p.cluster == 1) {
-      auto kernel = full ? norm_bwd_ring_kernel<kDt, kRt, true, K, false>
-                         : norm_bwd_ring_kernel<kDt, kRt, false, K, false>;
-      return launch_rows<false>(kernel, a, p, sms, stream, smem);
-    }
+  if (p.cluster == 1) {
+    auto kernel = full ? norm_bwd_ring_kernel<kDt, kRt, true, K, false>
+                       : norm_bwd_ring_kernel<kDt, kRt, false, K, false>;
+    return launch_rows<false>(kernel, a, p, sms, stream, smem);
   }
   auto kernel = full ? norm_bwd_ring_kernel<kDt, kRt, true, K, true>
                      : norm_bwd_ring_kernel<kDt, kRt, false, K, true>;
