@@ -254,9 +254,10 @@ def run_norm_cases():
 # rows, hidden, kind, x dtype, prenorm: the float32 residual stream (Mamba's residual_in_fp32)
 # through the torch adapter, whose backward writes dx in x's dtype and dresidual in float32 (the
 # generic API's dx follows s): the lean backward at 4096 columns, the ring backward past that (a
-# LayerNorm's from 4104), one CTA up to 8192 columns (641 slices in 352 threads, the last lanes
-# idle; 1024 in 512), clusters past it (two CTAs of 513 and 512 slices; four without
-# dresidual_out), with enough rows that every CTA walks its ring of stages more than once.
+# LayerNorm's from 4104 past 4 TB/s of DRAM), one CTA up to 8192 columns (641 slices in 352
+# threads, the last lanes idle; 1024 in 512), clusters past it (two CTAs of 513 and 512 slices;
+# four without dresidual_out), with enough rows that every CTA walks its ring of stages more than
+# once.
 NORM_STREAM_CASES = [
     (33, 4096, "layer", torch.bfloat16, True),
     (500, 5128, "layer", torch.bfloat16, True),

@@ -418,8 +418,9 @@ def test_ring_rows(case, dtype, weight, seed):
 
 # Beside a float32 residual stream (Mamba's residual_in_fp32) the torch adapter asks the
 # backward for dx in x's dtype and dresidual in float32 (the generic API's dx follows s): the
-# lean backward (one CTA) up to 512 slices (4096 columns) for a LayerNorm, 1024 (8192) for an
-# RMSNorm, past that the ring backward, 2 slices a thread: one CTA up to 1024 slices (a LayerNorm
+# lean backward (one CTA) up to 512 slices (4096 columns) for a LayerNorm past 4 TB/s of DRAM,
+# 1024 (8192) otherwise, past that the ring backward, 2 slices a thread: one CTA up to 1024 slices
+# (a LayerNorm
 # at 5128 columns: 641 slices in 352 threads, lane 320 holding one; at 8192 every lane of 512
 # full), then clusters of CTAs of up to 1024 slices: 8200 columns
 # (two CTAs of 513 and 512 slices), 16384 (two full ones), 24584 without prenorm (no

@@ -748,7 +748,10 @@ int ring_ctas(int nslices, Dtype rt, bool full, const NormArgs& a, int device) {
     }
   }
   const int cluster = int(ceil_div(nslices, most));
-  const int least = rt == Dtype::F32 && !full ? kRingMinSlices : kRingAloneMinSlices;
+  // Beside a float32 stream kFull takes it from kRingAloneMinSlices only past kFastDram, where it
+  // was measured (norm_plan.h); there and elsewhere the RMSNorm keeps the lean CTA longer.
+  const bool alone_least = rt != Dtype::F32 || (full && fast_dram(device));
+  const int least = alone_least ? kRingAloneMinSlices : kRingMinSlices;
   return nslices >= least && a.ngroups == 1 && cluster <= kMaxCluster &&
                  a.rows <= INT_MAX / cluster && cluster_kernels_run(device)
              ? cluster

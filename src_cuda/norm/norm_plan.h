@@ -331,8 +331,8 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
 
 // The ring backward (norm_ring.cuh): whole rows of 16-bit x and dy without a residual stream or
 // a gate from kRingAloneMinSlices slices (past 4096 columns), beside a float32 stream from
-// kRingMinSlices (past the 8192 columns one lean CTA holds) but for kFull (below) from
-// kRingAloneMinSlices, kRingSlices a thread in one CTA of p.threads, the rows copied by the
+// kRingMinSlices (past the 8192 columns one lean CTA holds) but for kFull (below) past kFastDram
+// from kRingAloneMinSlices, kRingSlices a thread in one CTA of p.threads, the rows copied by the
 // bulk-copy engine into a ring of kRingStages shared-memory stages (ring_bytes), each row's
 // copies issued two rows ahead. Up to ring_max_slices (16384
 // columns, whose three stages fill an SM's shared memory) one CTA holds a row; past that the
@@ -353,8 +353,9 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
 //   columns, 71 / 84 at 16384; RMSNorm 78 / 90 at 16384.
 // - beside a float32 stream, one CTA against one lean CTA (bench, bf16 prenorm with dresidual,
 //   two runs): LayerNorm 78 / 96 at 4608 columns, 78-81 / 91 at 6144, 78 / 87-88 at 8192; RMSNorm
-//   98-99 / 96 at 4608, 95-96 / 88 at 8192, so it keeps the lean CTA to 8192. The cluster kernel
-//   must not run a cluster of one: its CTA wrote to shared memory past its own (memcheck).
+//   98-99 / 96 at 4608, 95-96 / 88 at 8192, so it keeps the lean CTA to 8192. The H100, where the
+//   lean CTA read 83-94 from 4608 to 8192 (LayerNorm, several machines), keeps it too. The cluster
+//   kernel must not run a cluster of one: its CTA wrote to shared memory past its own (memcheck).
 // - clusters, against the lean clusters up to 32768 columns and the general kernels beyond:
 //   LayerNorm 67-71 / 72-78 from 20480 to 32768, 60-67 / 69-75 from 40960 to 65536; RMSNorm
 //   76-79 / 81-89 from 24576 to 32768, 69-77 / 83 from 49152 to 65536, level at 20480 (78 / 76)
