@@ -274,6 +274,14 @@ def forward_on_gpu_and_cpu(case, inputs, **extra):
     return fwd
 
 
+def forward_on_gpu_checked(case, inputs):
+    """The forward through the generic API on the GPU against the float64 references run on CPU
+    copies of the inputs; unlike forward_on_gpu_and_cpu, no out= and no library CPU path."""
+    fwd = run_forward(case, inputs)
+    check_forward(case, to_cpu(inputs),
+                  libssm.NormForward(*(None if t is None else t.cpu() for t in fwd)))
+
+
 def backward_on_gpu_and_cpu(case, inputs, dy, dres, residual_dtype=None):
     """Forward and backward through the C entry points into NaN-filled buffers (dresidual
     float32 too), then the backward through the generic API; both against the references and
@@ -347,9 +355,7 @@ def test_plain_gated_past_twice_the_l2(before, hidden, group_size, seed):
                         lead=(rows,))
     inputs = make_norm_inputs(case, torch.bfloat16, seed, device="cuda",
                               dtypes={"weight": torch.float32})
-    fwd = run_forward(case, inputs)
-    check_forward(case, to_cpu(inputs),
-                  libssm.NormForward(*(None if t is None else t.cpu() for t in fwd)))
+    forward_on_gpu_checked(case, inputs)
 
 
 @pytest.mark.parametrize("case", PLAIN_ROWS + GATED_RING_ROWS, ids=case_id)
@@ -420,12 +426,11 @@ def test_ring_rows(case, dtype, weight, seed):
 # backward for dx in x's dtype and dresidual in float32 (the generic API's dx follows s): the
 # lean backward (one CTA) up to 512 slices (4096 columns) for a LayerNorm past 4 TB/s of DRAM,
 # 1024 (8192) otherwise, past that the ring backward, 2 slices a thread: one CTA up to 1024 slices
-# (a LayerNorm
-# at 5128 columns: 641 slices in 352 threads, lane 320 holding one; at 8192 every lane of 512
-# full), then clusters of CTAs of up to 1024 slices: 8200 columns
-# (two CTAs of 513 and 512 slices), 16384 (two full ones), 24584 without prenorm (no
-# dresidual_out; four CTAs of 769 slices, the last 766; a bias and a zero-centred weight) and
-# 65536 (eight), enough rows that every CTA walks its ring of three stages more than once.
+# (a LayerNorm at 5128 columns: 641 slices in 352 threads, lane 320 holding one; at 8192 every
+# lane of 512 full), then clusters of CTAs of up to 1024 slices: 8200 columns (two CTAs of 513
+# and 512 slices), 16384 (two full ones), 24584 without prenorm (no dresidual_out; four CTAs of
+# 769 slices, the last 766; a bias and a zero-centred weight) and 65536 (eight), enough rows that
+# every CTA walks its ring of three stages more than once.
 STREAM_ROWS = (
     LAYER.replace(hidden=4096, residual=True, prenorm=True, lead=(64,)),
     LAYER.replace(hidden=5128, residual=True, prenorm=True, lead=(500,)),
@@ -778,9 +783,7 @@ def test_norm_alone_past_the_l2(kind, hidden, seed):
     rows = torch.cuda.get_device_properties(0).L2_cache_size // (2 * 2 * hidden) + 1001
     case = (LAYER if kind == "layer" else BASE).replace(hidden=hidden, lead=(rows,))
     inputs = make_norm_inputs(case, torch.bfloat16, seed, device="cuda")
-    fwd = run_forward(case, inputs)
-    check_forward(case, to_cpu(inputs),
-                  libssm.NormForward(*(None if t is None else t.cpu() for t in fwd)))
+    forward_on_gpu_checked(case, inputs)
 
 
 # Past the L2 (x, residual, y and residual_out together) on a device whose DRAM passes 4 TB/s,
@@ -794,9 +797,7 @@ def test_prenorm_past_the_l2(hidden, dtype, seed):
     rows = torch.cuda.get_device_properties(0).L2_cache_size // (4 * 2 * hidden) + 1001
     case = BASE.replace(hidden=hidden, residual=True, prenorm=True, lead=(rows,))
     inputs = make_norm_inputs(case, dtype, seed, device="cuda", dtypes={"weight": torch.float32})
-    fwd = run_forward(case, inputs)
-    check_forward(case, to_cpu(inputs),
-                  libssm.NormForward(*(None if t is None else t.cpu() for t in fwd)))
+    forward_on_gpu_checked(case, inputs)
 
 
 def test_offsets_past_int32():

@@ -323,16 +323,16 @@ bool plain_gated_call(const NormArgs& a) {
 constexpr double kFastDram = 4e12;
 bool fast_dram(int device) { return dram_bytes_per_second(device) > kFastDram; }
 
-// Two slices a thread keep half the bytes of four in flight, too few for a fast_dram device.
-// There gated rows of whole pairs up to 96 slices
-// (512 columns) take the lean forward, and the staged forward's narrow gated segments four slices
-// a thread (staged_plan). One H200 (the attributes give 4.81 TB/s; copy 4.22), % of copy, direct
-// timing, Mamba-2's gated RMSNorm (bf16 x and z, float32 weight, 32768 rows), two slices in
-// blocks of 128 / four in blocks of 128 / four in 256 (torch.compile): 74.8-75.8 / 78.4-79.8 /
-// 77.3-77.5 at 512 columns (88.5-88.6), 79.3-80.4 / 89.3-89.9 / 88.4-88.5 at 1024 (95.1-95.2),
-// the gate after 77.6-79.1 / 87.9-89.6 / 86.1-86.3 (93.2-93.3), 8192 columns in groups of 1024
-// 85.6-86.7 / 102.2-103.7 / 99.5-99.6 (62.4-62.5); the lean forward at 512 88.2-88.3, the gate
-// after 88.3-88.4 (staged 74.6-74.9 / 78.6-78.8). The H100 (3.35 TB/s) keeps the plans above.
+// Two slices a thread keep half the bytes of four in flight, too few for a fast_dram device. There
+// gated rows of whole pairs up to 96 slices (512 columns) take the lean forward, and the staged
+// forward's narrow gated segments four slices a thread (staged_plan). One H200 (the attributes give
+// 4.81 TB/s; copy 4.22), % of copy, direct timing, Mamba-2's gated RMSNorm (bf16 x and z, float32
+// weight, 32768 rows), two slices in blocks of 128 / four in blocks of 128 / four in 256
+// (torch.compile): 74.8-75.8 / 78.4-79.8 / 77.3-77.5 at 512 columns (88.5-88.6), 79.3-80.4 /
+// 89.3-89.9 / 88.4-88.5 at 1024 (95.1-95.2), the gate after 77.6-79.1 / 87.9-89.6 / 86.1-86.3
+// (93.2-93.3), 8192 columns in groups of 1024 85.6-86.7 / 102.2-103.7 / 99.5-99.6 (62.4-62.5); the
+// lean forward at 512 88.2-88.3, the gate after 88.3-88.4 (staged 74.6-74.9 / 78.6-78.8). The H100
+// (3.35 TB/s) keeps the plans above.
 bool spread_gated_pairs(int device) { return !fast_dram(device); }
 
 // Whether two slices a lane fill a power-of-two count of lanes: none idle.
@@ -342,20 +342,20 @@ bool whole_pairs(int nslices) {
 
 // The lean forward's slices a lane (norm_plan.h) for a lean call, or 0 where it does not take it: 1
 // up to kFastFwdSlices slices; for gated 16-bit rows 2 or 3 up to three times that, and past
-// kFastDram the plain gated call in one group 4 up to four times that (the last items
-// below); for 16-bit rows without a gate, 2 up to twice that and 4 up to four times
-// that for the prenorm call, beside a float32 stream, and without a residual below the plain
-// forward's kPlainMinSlices (plain_plan); the norm alone and the rows beside a float32
-// stream take 3 instead where that leaves fewer lanes idle (264-384 and 520-768 columns: 16
-// lanes a segment at 384, none idle, against 32 lanes of 2 slices, 16 of them idle for the
-// second). One H100, % of copy, direct timing (bf16, float32 weight, 32768 rows), 2 or 4 slices
-// a lane / 3 at one row a lane / 3 at two rows (torch.compile): RMSNorm alone 78.2 / 80.8 / 79.6
-// at 320 columns (90.0, writing no rstd), 78.9 / 81.0 / 78.9 at 384 (90.6), 80.2 / 81.9 / 80.4
-// at 576 (86.1), 82.9 / 84.1 / 82.7 at 640 (87.5), 85.6 / 85.8 / 85.4 at 768 (90.0); LayerNorm
-// alone 67.3 / 74.1 / 73.0 (80.7), 72.6 / 75.0 / 75.1 (83.7), 71.9 / 78.4 / 77.0 (85.8), 77.3 /
-// 81.2 / 80.1 (86.7), 83.0 / 83.9 / 83.4 (88.7); LayerNorm beside a float32 stream 85.9 / 86.9 /
-// 86.0 (89.8), 88.4 / 89.9 / 89.4 (92.6), level at 576, 93.4 / 93.8 / 93.4 (95.5), 94.6 / 94.9 /
-// 94.6 (96.6); RMSNorm there 0.1-0.5 points up. Against what took them before:
+// kFastDram the plain gated call in one group 4 up to four times that (the last items below); for
+// 16-bit rows without a gate, 2 up to twice that and 4 up to four times that for the prenorm call,
+// beside a float32 stream, and without a residual below the plain forward's kPlainMinSlices
+// (plain_plan); the norm alone and the rows beside a float32 stream take 3 instead where that
+// leaves fewer lanes idle (264-384 and 520-768 columns: 16 lanes a segment at 384, none idle,
+// against 32 lanes of 2 slices, 16 of them idle for the second). One H100, % of copy, direct timing
+// (bf16, float32 weight, 32768 rows), 2 or 4 slices a lane / 3 at one row a lane / 3 at two rows
+// (torch.compile): RMSNorm alone 78.2 / 80.8 / 79.6 at 320 columns (90.0, writing no rstd), 78.9 /
+// 81.0 / 78.9 at 384 (90.6), 80.2 / 81.9 / 80.4 at 576 (86.1), 82.9 / 84.1 / 82.7 at 640 (87.5),
+// 85.6 / 85.8 / 85.4 at 768 (90.0); LayerNorm alone 67.3 / 74.1 / 73.0 (80.7), 72.6 / 75.0 / 75.1
+// (83.7), 71.9 / 78.4 / 77.0 (85.8), 77.3 / 81.2 / 80.1 (86.7), 83.0 / 83.9 / 83.4 (88.7);
+// LayerNorm beside a float32 stream 85.9 / 86.9 / 86.0 (89.8), 88.4 / 89.9 / 89.4 (92.6), level at
+// 576, 93.4 / 93.8 / 93.4 (95.5), 94.6 / 94.9 / 94.6 (96.6); RMSNorm there 0.1-0.5 points up.
+// Against what took them before:
 // - the prenorm call at 1024 columns, the held forward's two slices a thread in one warp / four:
 //   95.2-95.6 / 95.8-96.4 (torch.compile 96.5-96.6), on 2640 rows, whose bytes stay in L2,
 //   85.3-85.4 / 96.1 (compile 88.0); one H200: 640 columns 86.0-86.2 / 88.7-88.8 (the weight not
@@ -383,13 +383,13 @@ bool whole_pairs(int nslices) {
 //   lean (torch.compile), one H100, direct: 76.9-77.2 / 77.5-77.6 at 320 columns (69.7), 79.3-79.5
 //   / 81.5-81.9 at 384 (77.1), 80.2-80.7 / 82.5-82.9 at 448 (82.4), 84.5-84.6 / 86.5-86.7 at 576
 //   (85.4), 87.5-87.7 / 87.5-88.3 at 640 (89.3), 89.5-89.6 / 90.7-91.0 at 768 (93.7).
-// - the plain gated call in one group at 97-128 slices (776-1024 columns) past
-//   kFastDram: four slices a lane, the weight fetched early, against the staged
-//   forward's four slices a thread. One H200, direct, Mamba-2's gated RMSNorm (the gate first
-//   unless said), staged / lean (torch.compile): 83.8-84.1 / 91.3-91.7 at 896 columns (93.3),
-//   85.6-86.1 / 92.2-92.4 at 968 (94.0), 90.0-90.3 / 92.9-93.3 at 1024 (95.1), the gate after
-//   89.4-89.7 / 92.7-93.0 (93.3); 8192 columns in groups of 1024 lost (102.9-103.0 / 97.7-97.8),
-//   so groups keep the staged forward.
+// - the plain gated call in one group at 97-128 slices (776-1024 columns) past kFastDram: four
+//   slices a lane, the weight fetched early, against the staged forward's four slices a thread.
+//   One H200, direct, Mamba-2's gated RMSNorm (the gate first unless said), staged / lean
+//   (torch.compile): 83.8-84.1 / 91.3-91.7 at 896 columns (93.3), 85.6-86.1 / 92.2-92.4 at 968
+//   (94.0), 90.0-90.3 / 92.9-93.3 at 1024 (95.1), the gate after 89.4-89.7 / 92.7-93.0 (93.3);
+//   8192 columns in groups of 1024 lost (102.9-103.0 / 97.7-97.8), so groups keep the staged
+//   forward.
 // - not taken: 16-bit rows beside a residual of their dtype at four outside the prenorm call (level
 //   in the residual kernel: 95.1-95.6 / 95.1-95.3 at 1024).
 int lean_fwd_slices(const NormArgs& a, LeanDtypes d, int device) {

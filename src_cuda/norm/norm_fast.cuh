@@ -944,11 +944,11 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
   }
   // Loads not allocated in L1 (lean_fwd_fetch, norm_cuda.cu): the norm alone's x past the L2
   // (fetched ahead there), the plain gated call's x and z up to twice the L2, the narrow prenorm
-  // call's x and residual past the L2 on the H200 (measured there). The
-  // norm alone, one H100, % of copy, direct timing, one process each (bf16, float32 weight, 32768
-  // rows), allocated / not: RMSNorm alone 80.0-80.2 / 98.1-98.7 at 448 columns, 81.6 / 91.5-92.8 at
-  // 512, 86.7-86.8 / 88.9-90.2 at 768, LayerNorm alone 78.1-78.8 / 87.7 at 512. Where the call fits
-  // the L2 it lost: LayerNorm alone 90.8-90.9 / 80.7-81.3 at 256 columns, RMSNorm alone 90.4 /
+  // call's x and residual past the L2 on the H200 (lean_fwd_fetch has those measurements). The norm
+  // alone, one H100, % of copy, direct timing, one process each (bf16, float32 weight, 32768 rows),
+  // allocated / not: RMSNorm alone 80.0-80.2 / 98.1-98.7 at 448 columns, 81.6 / 91.5-92.8 at 512,
+  // 86.7-86.8 / 88.9-90.2 at 768, LayerNorm alone 78.1-78.8 / 87.7 at 512. Where the call fits the
+  // L2 it lost: LayerNorm alone 90.8-90.9 / 80.7-81.3 at 256 columns, RMSNorm alone 90.4 /
   // 88.9-90.0 at 384. Rows beside a residual lost 0.2-2.5 points at 256-768 (RMSNorm + residual, in
   // one process, x alone not allocated, on an H100).
   args.no_l1 = fetch.no_l1;

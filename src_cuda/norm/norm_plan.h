@@ -329,20 +329,19 @@ template <int kDt>
 cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, int sms,
                                   int64_t ahead_bytes, cudaStream_t stream);
 
-// The ring backward (norm_ring.cuh): whole rows of 16-bit x and dy without a residual stream or
-// a gate from kRingAloneMinSlices slices (past 4096 columns), beside a float32 stream from
+// The ring backward (norm_ring.cuh): whole rows of 16-bit x and dy without a residual stream or a
+// gate from kRingAloneMinSlices slices (past 4096 columns), beside a float32 stream from
 // kRingMinSlices (past the 8192 columns one lean CTA holds) but for kFull (below) past kFastDram
 // from kRingAloneMinSlices, kRingSlices a thread in one CTA of p.threads, the rows copied by the
-// bulk-copy engine into a ring of kRingStages shared-memory stages (ring_bytes), each row's
-// copies issued two rows ahead. Up to ring_max_slices (16384
-// columns, whose three stages fill an SM's shared memory) one CTA holds a row; past that the
-// CTAs of a cluster share it (p.cluster, p.cta_slices each; it returns
-// cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the device):
-// ceil(nslices / ring_max_slices) of them, but for kFull (a LayerNorm, or a dbias wanted) CTAs of
-// at most kRingFullCtaSlices, or twice that, ..., the fewest slices a CTA that kMaxCluster CTAs
-// hold. The CTAs are whole warps, as many an SM as their registers allow (up to kRingCtasPerSm):
-// 160 threads and three CTAs at 5120 columns, 256 and two at 8192, 128 and four in the kFull
-// clusters up to 32768 columns. One H200, bf16, float32 weight, % of copy:
+// bulk-copy engine into a ring of kRingStages shared-memory stages (ring_bytes), each row's copies
+// issued two rows ahead. Up to ring_max_slices (16384 columns, whose three stages fill an SM's
+// shared memory) one CTA holds a row; past that the CTAs of a cluster share it (p.cluster,
+// p.cta_slices each; it returns cudaErrorInvalidClusterSize, launching nothing, when not one
+// cluster fits on the device): ceil(nslices / ring_max_slices) of them, but for kFull (a LayerNorm,
+// or a dbias wanted) CTAs of at most kRingFullCtaSlices, or twice that, ..., the fewest slices a
+// CTA that kMaxCluster CTAs hold. The CTAs are whole warps, as many an SM as their registers allow
+// (up to kRingCtasPerSm): 160 threads and three CTAs at 5120 columns, 256 and two at 8192, 128 and
+// four in the kFull clusters up to 32768 columns. One H200, bf16, float32 weight, % of copy:
 // - one CTA up to 8192 columns, against one lean CTA (512 threads, one an SM, 320 of them
 //   holding slices at 5120 columns; bench, four to six runs): LayerNorm 62-63 / 93-94 at 5120
 //   columns, 71 / 90-92 at 6144, 78 / 91-94 at 7168, 82-83 / 91-92 at 8192; RMSNorm 75-76 / 90-91
