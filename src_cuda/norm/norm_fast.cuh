@@ -954,13 +954,19 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
   args.no_l1 = fetch.no_l1;
   // A cap on the CTAs an SM holds (lean_fwd_fetch has the measurements) is dynamic shared memory
   // the kernel never touches: as much a CTA as leaves room for no more than the cap. The opt-in
-  // as launch_rows asks it.
+  // as launch_rows asks it. Where the registers already hold the CTAs to the cap (a kernel built
+  // for another architecture may take more of them) there is nothing to cap, and asking for room
+  // for more CTAs than fit would fail the call.
   size_t smem = 0;
   if (fetch.ctas_per_sm > 0) {
-    cudaError_t err = cudaOccupancyAvailableDynamicSMemPerBlock(&smem, kernel, fetch.ctas_per_sm,
-                                                                int(p.block));
-    if (err == cudaSuccess)
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    int fit = 0;
+    cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, int(p.block), 0);
+    if (err == cudaSuccess && fit > fetch.ctas_per_sm) {
+      err = cudaOccupancyAvailableDynamicSMemPerBlock(&smem, kernel, fetch.ctas_per_sm,
+                                                      int(p.block));
+      if (err == cudaSuccess)
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    }
     if (err != cudaSuccess) return err;
   }
   kernel<<<grid, p.block, smem, stream>>>(args);
