@@ -130,10 +130,11 @@ NORM_CASES = [
     (65001, 320, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
     (27001, 760, 0, "rms", torch.bfloat16, torch.float32, True, True, 0, None),
     # The prenorm RMSNorm past the L2 (x, residual, y and residual_out beyond 60 MB), which past
-    # 4 TB/s of DRAM fetches x and the residual 2 MB ahead, loads them without allocating them in
-    # L1 up to 64 slices and holds fewer CTAs an SM past 48: one slice a lane, two at 41 slices
-    # (lanes 9-31 holding one) and at 57 (capped), three at 65 (lane 0 holding a third) and four
-    # at 125 (lanes 29-31 holding three).
+    # 4 TB/s of DRAM fetches x and the residual 2 MB ahead where it loads them without
+    # allocating them in L1 (up to 48 slices) or holds fewer CTAs an SM (past 64): one slice a
+    # lane, two at 41 slices (lanes 9-31 holding one) and at 57 (between the two: 1 MB ahead,
+    # allocated), three at 65 (lane 0 holding a third) and four at 125 (lanes 29-31 holding
+    # three).
     (31001, 256, 0, "rms", torch.bfloat16, torch.float32, False, False, 0, torch.bfloat16),
     (24001, 328, 0, "rms", torch.float16, torch.float16, False, False, 0, torch.float16),
     (17501, 456, 0, "rms", torch.float16, torch.float32, False, False, 0, torch.float16),

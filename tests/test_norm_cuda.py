@@ -787,12 +787,13 @@ def test_norm_alone_past_the_l2(kind, hidden, seed):
 
 
 # Past the L2 (x, residual, y and residual_out together) on a device whose DRAM passes 4 TB/s,
-# the prenorm RMSNorm fetches x and the residual 2 MB ahead, loads them without allocating them
-# in L1 up to 64 slices and holds fewer CTAs an SM past 48 (lean_fwd_fetch, norm_cuda.cu): rows
-# just past that at one slice a lane (256 columns), at two with lanes idle (328: 41 slices), at
-# the last width without the cap (384) and the first with it (392), at the last without L1
-# allocation (512) and the first with it (520: three slices, lane 0 holding a third), and at four
-# slices with lanes idle (1000: 125). Elsewhere the same rows take the loads through L1.
+# the prenorm RMSNorm fetches x and the residual 2 MB ahead where it loads them without
+# allocating them in L1 (up to 48 slices) or holds fewer CTAs an SM (past 64), and between the
+# two takes the plan of other devices (lean_fwd_fetch, norm_cuda.cu): rows just past the L2 at
+# one slice a lane (256 columns), at two with lanes idle (328: 41 slices), at the last width
+# without L1 allocation (384) and the first after it (392), at the last before the cap (512) and
+# the first with it (520: three slices, lane 0 holding a third), and at four slices with lanes
+# idle (1000: 125).
 @pytest.mark.parametrize("hidden", [256, 328, 384, 392, 512, 520, 1000])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
 def test_prenorm_past_the_l2(hidden, dtype, seed):

@@ -469,37 +469,43 @@ bool outgrows_l2(const NormArgs& a, int device, int tensors = 2) {
 // (131072 rows of 256 columns, none / 4 MB with 5 CTAs: 95.7-95.8 / 94.3, compile 97.1-97.2).
 //
 // Past kFastDram (one H200), the prenorm call past the L2 (its four tensors) fetches x and the
-// residual kPrenormFarAheadBytes ahead, loads them without allocating them in L1 up to
-// kPrenormNoL1Slices slices and caps its CTAs at kPrenormCtasPerSm an SM past
-// kPrenormUncappedSlices; the plain gated call at three slices a lane neither fetches ahead nor
-// caps its CTAs. % of copy, direct timing, bf16, float32 weight, 32768 rows; RMSNorm + residual,
-// allocated / not, 1 MB ahead (torch.compile): 81.0 / 92.4-93.0 at 256 columns (86.7), 82.2 /
-// 87.8 at 320 (84.2), 84.6 / 85.8 at 384 (87.2), but 86.7 / 85.6 at 448, 87.4-87.7 / 85.8 at
-// 512; x alone not allocated 88.2 at 256 and level or lost from 320. Within the L2 it lost
+// residual kPrenormFarAheadBytes ahead where it loads them without allocating them in L1 (up to
+// kPrenormNoL1Slices slices) or caps its CTAs at kPrenormCtasPerSm an SM (past kPrenormCappedPast),
+// and between the two keeps the H100's plan; the plain gated call at three slices a lane neither
+// fetches ahead nor caps its CTAs. % of copy, direct timing, bf16, float32 weight, 32768 rows;
+// RMSNorm + residual, allocated / not, 1 MB ahead (torch.compile): 81.0 / 92.4-93.0 at 256 columns
+// (86.7), 82.2 / 87.8 at 320 (84.2), 84.6 / 85.8 at 384 (87.2), but 86.7 / 85.6 at 448, 87.4-87.7 /
+// 85.8 at 512; x alone not allocated 88.2 at 256 and level or lost from 320. Within the L2 it lost
 // (109.4 / 78.7 at 128 columns, compile 118.5). Then 2 MB ahead, two processes, 1 MB and not
-// allocated up to 48 slices / not allocated, 2 MB / the same capped at 5 CTAs / allocated, 2 MB,
-// 5 CTAs (torch.compile): 93.4 / 94.8-95.5 at 256; 85.4-86.1 / 88.3-90.3 / 89.4-89.5 / 85.3-85.7
-// at 384 (87.4-87.8); 86.5-86.9 / 88.1-88.5 / 88.8-89.3 / 87.5-87.6 at 448 (88.4-88.7); 88.1-88.8
-// / 88.5-88.9 / 89.3-89.7 / 89.1-89.4 at 512 (89.7-90.2); 88.9-89.0 / 89.4-89.5 / 89.2-89.3 /
+// allocated up to 48 slices / not allocated, 2 MB / the same capped at 5 CTAs / allocated, 2 MB, 5
+// CTAs (torch.compile): 93.4 / 94.8-95.5 at 256; 85.4-86.1 / 88.3-90.3 / 89.4-89.5 / 85.3-85.7 at
+// 384 (87.4-87.8); 86.5-86.9 / 88.1-88.5 / 88.8-89.3 / 87.5-87.6 at 448 (88.4-88.7); 88.1-88.8 /
+// 88.5-88.9 / 89.3-89.7 / 89.1-89.4 at 512 (89.7-90.2); 88.9-89.0 / 89.4-89.5 / 89.2-89.3 /
 // 90.9-91.1 at 576 (89.9-90.0); allocated, 1 MB / 2 MB, 5 CTAs: 90.5-90.7 / 91.4-92.1 at 640
-// (91.1-92.1), 92.1-92.7 / 93.5-93.8 at 768 (93.5), 93.8-93.9 / 94.6 at 896 (94.3-94.4),
-// 93.7-93.9 / 94.8-94.9 at 1024 (95.5-95.7). 4 and 6 CTAs ran with 5 or lower (6 do not fit from
-// three slices a lane), 1.5 MB and 3 MB lost up to 1 point to 2 MB at 384-896 (3 MB: 95.3 at
-// 1024), blocks of 64 threads 89.0-90.0 at 384-512. The plain gated call, 2 MB ahead and 5 CTAs
-// an SM / neither: 83.6 / 83.9 at 576 columns (82.6), 87.5 / 87.5-87.8 at 640 (88.5), 86.5 / 88.7
-// at 704 (92.5), 88.4-88.8 / 90.3-90.6 at 768 (95.0-95.5); the gate after 81.2 / 84.3 at 576
-// (74.8), 86.6 / 87.3 at 640 (80.3), 88.9-89.1 / 90.6-90.7 at 768 (91.7). Neither the cap alone
-// (83.3 at 768) nor fetching ahead alone (87.9) did as well.
+// (91.1-92.1), 92.1-92.7 / 93.5-93.8 at 768 (93.5), 93.8-93.9 / 94.6 at 896 (94.3-94.4), 93.7-93.9
+// / 94.8-94.9 at 1024 (95.5-95.7). 4 and 6 CTAs ran with 5 or lower (6 do not fit from three slices
+// a lane), 1.5 MB and 3 MB lost up to 1 point to 2 MB at 384-896 (3 MB: 95.3 at 1024), blocks of 64
+// threads 89.0-90.0 at 384-512. On more rows, the H100's plan / not allocated, 2 MB, and 5 CTAs at
+// 512 / allocated, 2 MB, 5 CTAs at 768 (compile): 65536 rows 89.0 / 91.1 at 384 (94.9), 94.0 / 92.8
+// at 512 (95.7), 96.5 / 97.6 at 768 (96.8); 131072 rows 92.3 / 94.5 (97.5), 96.9 / 95.1 (97.7),
+// 98.6 / 99.5 (99.2): so 49-64 slices keep the H100's plan, which on 32768 rows gave up 0.5-2.8
+// points. The plain gated call, 2 MB ahead and 5 CTAs an SM / neither: 83.6 / 83.9 at 576 columns
+// (82.6), 87.5 / 87.5-87.8 at 640 (88.5), 86.5 / 88.7 at 704 (92.5), 88.4-88.8 / 90.3-90.6 at 768
+// (95.0-95.5); the gate after 81.2 / 84.3 at 576 (74.8), 86.6 / 87.3 at 640 (80.3), 88.9-89.1 /
+// 90.6-90.7 at 768 (91.7). Neither the cap alone (83.3 at 768) nor fetching ahead alone (87.9) did
+// as well.
 constexpr int64_t kPrenormFarAheadBytes = int64_t(2) << 20;
-constexpr int kPrenormNoL1Slices = 64, kPrenormUncappedSlices = 48, kPrenormCtasPerSm = 5;
+constexpr int kPrenormNoL1Slices = 48, kPrenormCappedPast = 64, kPrenormCtasPerSm = 5;
 LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int slices, int device) {
   LeanFwdFetch f;
   if (inputs == kFwdPrenorm) {
     f.ahead_bytes = kPrenormAheadBytes;
-    if (fast_dram(device) && outgrows_l2(a, device, 4)) {
+    const int n = slices_of(a);
+    if (fast_dram(device) && outgrows_l2(a, device, 4) &&
+        (n <= kPrenormNoL1Slices || n > kPrenormCappedPast)) {
       f.ahead_bytes = kPrenormFarAheadBytes;
-      f.no_l1 = slices_of(a) <= kPrenormNoL1Slices;
-      f.ctas_per_sm = slices_of(a) > kPrenormUncappedSlices ? kPrenormCtasPerSm : 0;
+      f.no_l1 = n <= kPrenormNoL1Slices;
+      f.ctas_per_sm = n > kPrenormCappedPast ? kPrenormCtasPerSm : 0;
     }
   }
   if (inputs == kFwdAlone && a.x.dtype != Dtype::F32 && outgrows_l2(a, device)) {
