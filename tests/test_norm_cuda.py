@@ -321,6 +321,41 @@ def test_backward(case, dtype, seed):
     backward_on_gpu_and_cpu(case, inputs, dy, dres)
 
 
+# The norm alone in whole-warp segments at one slice a lane (norm_fwd_alone_kernel, norm_fast.cuh:
+# 17-32 slices a group, a weight of float32 or x's dtype, a bias of the weight's dtype with a
+# LayerNorm only): 256 columns on an odd row count (the last warps' second row past the end), 200
+# (lanes 25-31 idle) with a zero-centred weight, two groups of 136 (17 slices), LayerNorms with
+# and without a bias; then the calls it leaves to norm_fwd_fast_kernel at the same width: an
+# RMSNorm with a bias, and no weight.
+ALONE_WARP_ROWS = (
+    BASE.replace(hidden=256, lead=(257,)),
+    BASE.replace(hidden=200, lead=(37,), zero_centered_weight=True),
+    BASE.replace(hidden=272, group_size=136, lead=(19,)),
+    LAYER.replace(hidden=256, lead=(129,)),
+    LAYER.replace(hidden=256, bias=False, lead=(33,)),
+    LAYER.replace(hidden=272, group_size=136, lead=(11,)),
+    BASE.replace(hidden=256, lead=(45,), bias=True),
+    BASE.replace(hidden=256, lead=(45,), weight=False),
+)
+
+
+@pytest.mark.parametrize("case", ALONE_WARP_ROWS, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("weight", ["float32", "x"])
+def test_alone_whole_warp_rows(case, dtype, weight, seed):
+    wdtype = torch.float32 if weight == "float32" else dtype
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda",
+                              dtypes={"weight": wdtype, "bias": wdtype})
+    forward_on_gpu_and_cpu(case, inputs)
+    # Rows of twice the width apart, through a view.
+    strided = make_norm_inputs(case.replace(lead=(5,)), dtype, seed, device="cuda",
+                               dtypes={"weight": wdtype, "bias": wdtype})
+    wide = torch.zeros(5, 2 * case.hidden, dtype=dtype, device="cuda")
+    wide[:, :case.hidden] = strided["x"]
+    strided["x"] = wide[:, :case.hidden]
+    forward_on_gpu_and_cpu(case.replace(lead=(5,)), strided)
+
+
 # The plain gated call (plain_gated_call, norm_plan.h: no residual, a weight of float32 or x's
 # dtype, no bias, not zero-centred) takes lean kernels with those options compiled out: one slice a
 # lane (200 columns), two (456: 57 slices, lanes 25-31 holding one), three (328: 41 slices in 16
