@@ -18,6 +18,17 @@ from references import assert_close, make_norm_cotangents, make_norm_inputs
 
 pytestmark = pytest.mark.cuda
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+half_dtypes = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+# The weight's (and the bias's) dtypes the lean kernels compile in: float32, or x's.
+weight_dtypes = pytest.mark.parametrize("weight", ["float32", "x"])
+
+
+def weighted_inputs(case, dtype, weight, seed):
+    """make_norm_inputs on the GPU with the weight and bias in float32 (weight "float32") or in
+    x's dtype (weight "x")."""
+    wdtype = torch.float32 if weight == "float32" else dtype
+    return make_norm_inputs(case, dtype, seed, device="cuda",
+                            dtypes={"weight": wdtype, "bias": wdtype})
 
 # Sizes chosen against the kernels' plan (norm_plan.h): segments of 8-column slices held in
 # registers up to a per-thread count and re-read beyond it, so hidden 1 and 7 (less than one
@@ -340,16 +351,12 @@ ALONE_WARP_ROWS = (
 
 
 @pytest.mark.parametrize("case", ALONE_WARP_ROWS, ids=case_id)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("weight", ["float32", "x"])
+@half_dtypes
+@weight_dtypes
 def test_alone_whole_warp_rows(case, dtype, weight, seed):
-    wdtype = torch.float32 if weight == "float32" else dtype
-    inputs = make_norm_inputs(case, dtype, seed, device="cuda",
-                              dtypes={"weight": wdtype, "bias": wdtype})
-    forward_on_gpu_and_cpu(case, inputs)
+    forward_on_gpu_and_cpu(case, weighted_inputs(case, dtype, weight, seed))
     # Rows of twice the width apart, through a view.
-    strided = make_norm_inputs(case.replace(lead=(5,)), dtype, seed, device="cuda",
-                               dtypes={"weight": wdtype, "bias": wdtype})
+    strided = weighted_inputs(case.replace(lead=(5,)), dtype, weight, seed)
     wide = torch.zeros(5, 2 * case.hidden, dtype=dtype, device="cuda")
     wide[:, :case.hidden] = strided["x"]
     strided["x"] = wide[:, :case.hidden]
@@ -369,12 +376,10 @@ PLAIN_GATED_ROWS = tuple(
 
 
 @pytest.mark.parametrize("case", PLAIN_GATED_ROWS, ids=case_id)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("weight", ["float32", "x"])
+@half_dtypes
+@weight_dtypes
 def test_plain_gated_rows(case, dtype, weight, seed):
-    wdtype = torch.float32 if weight == "float32" else dtype
-    inputs = make_norm_inputs(case, dtype, seed, device="cuda", dtypes={"weight": wdtype})
-    forward_on_gpu_and_cpu(case, inputs)
+    forward_on_gpu_and_cpu(case, weighted_inputs(case, dtype, weight, seed))
 
 
 # Up to twice the L2 the plain gated call loads x and z without allocating them in L1; past it
@@ -394,7 +399,7 @@ def test_plain_gated_past_twice_the_l2(before, hidden, group_size, seed):
 
 
 @pytest.mark.parametrize("case", PLAIN_ROWS + GATED_RING_ROWS, ids=case_id)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@half_dtypes
 @pytest.mark.parametrize("weight", ["float32", "bfloat16"])
 def test_plain_and_gated_ring_rows(case, dtype, weight, seed):
     # The plain forward reads the weight and bias in float32 or in x's dtype (a bfloat16 weight
@@ -406,7 +411,7 @@ def test_plain_and_gated_ring_rows(case, dtype, weight, seed):
 
 
 @pytest.mark.parametrize("case", RESIDUAL_RING_ROWS, ids=case_id)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@half_dtypes
 @pytest.mark.parametrize("stream", ["x", "float32"])
 def test_residual_ring_rows(case, dtype, stream, seed):
     # The stream in x's dtype, or a float32 residual and stream beside 16-bit x.
@@ -427,7 +432,7 @@ def test_residual_ring_rows(case, dtype, stream, seed):
                                   LAYER.replace(hidden=24584, lead=(300,)),
                                   LAYER.replace(hidden=65536, residual=True, lead=(150,))),
                          ids=case_id)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@half_dtypes
 @pytest.mark.parametrize("rows", ["spikes", "offset"])
 def test_ring_layer_norm_moments(case, dtype, rows, seed):
     extra, dtypes = {}, None
@@ -446,13 +451,11 @@ def test_ring_layer_norm_moments(case, dtype, rows, seed):
 
 
 @pytest.mark.parametrize("case", RING_ROWS, ids=case_id)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("weight", ["float32", "x"])
+@half_dtypes
+@weight_dtypes
 def test_ring_rows(case, dtype, weight, seed):
     # The ring backward reads the weight in any dtype: float32, or x's.
-    wdtype = torch.float32 if weight == "float32" else dtype
-    inputs = make_norm_inputs(case, dtype, seed, device="cuda",
-                              dtypes={"weight": wdtype, "bias": wdtype})
+    inputs = weighted_inputs(case, dtype, weight, seed)
     dy, dres = make_norm_cotangents(case, dtype, seed, device="cuda")
     backward_on_gpu_and_cpu(case, inputs, dy, dres)
 
@@ -478,7 +481,7 @@ STREAM_ROWS = (
 
 
 @pytest.mark.parametrize("case", STREAM_ROWS, ids=case_id)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@half_dtypes
 def test_float32_stream_backward(case, dtype, seed):
     inputs = make_norm_inputs(case, dtype, seed, device="cuda",
                               dtypes={"residual": torch.float32, "weight": torch.float32,
@@ -830,7 +833,7 @@ def test_norm_alone_past_the_l2(kind, hidden, seed):
 # the first with it (520: three slices, lane 0 holding a third), and at four slices with lanes
 # idle (1000: 125).
 @pytest.mark.parametrize("hidden", [256, 328, 384, 392, 512, 520, 1000])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@half_dtypes
 def test_prenorm_past_the_l2(hidden, dtype, seed):
     rows = torch.cuda.get_device_properties(0).L2_cache_size // (4 * 2 * hidden) + 1001
     case = BASE.replace(hidden=hidden, residual=True, prenorm=True, lead=(rows,))
