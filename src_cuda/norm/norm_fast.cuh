@@ -584,9 +584,11 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
 // its two rows a lane with nothing decided at run time but the bias, the zero-centred weight,
 // the statistics and the fetch plan. norm_fwd_fast_kernel holds 48 registers there (10 CTAs an
 // SM), this one 40 (12). One H200, % of copy, bf16 rows of 256 columns, float32 weight, warm
-// (back to back) on 32768 rows, from a C harness calling the library: RMSNorm alone 95.2-96.1
-// in norm_fwd_fast_kernel, 114.3 in the same kernel written standalone at 40 registers;
-// norm_fwd_fast_kernel held to 40 by launch bounds spilled 20-28 bytes and fell to 82.7-84.2.
+// (back to back) on 32768 rows, from a C harness calling the library: RMSNorm alone 95.8-97.5 in
+// norm_fwd_fast_kernel, 108.9-110.2 here (114.3 in the same plan written standalone at 40
+// registers), LayerNorm alone 80.8-81.8 / 91.7-92.6 (48 registers in both); on 65536 rows, past
+// the L2, 88.2-88.8 / 90.3-90.7 and 82.1-82.8 / 87.5-87.7. norm_fwd_fast_kernel held to 40 by
+// launch bounds spilled 20-28 bytes and fell to 82.7-84.2.
 template <int kDt, bool kLayer, int kWt>
 __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_alone_kernel(const FastFwdArgs a) {
   using namespace norm_detail;
