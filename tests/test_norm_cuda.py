@@ -332,12 +332,14 @@ def test_backward(case, dtype, seed):
     backward_on_gpu_and_cpu(case, inputs, dy, dres)
 
 
-# The norm alone in whole-warp segments at one slice a lane (norm_fwd_alone_kernel, norm_fast.cuh:
-# 17-32 slices a group, a weight of float32 or x's dtype, a bias of the weight's dtype with a
-# LayerNorm only): 256 columns on an odd row count (the last warps' second row past the end), 200
-# (lanes 25-31 idle) with a zero-centred weight, two groups of 136 (17 slices), LayerNorms with
-# and without a bias; then the calls it leaves to norm_fwd_fast_kernel at the same width: an
-# RMSNorm with a bias, and no weight.
+# The norm alone in whole-warp segments (norm_fwd_alone_kernel, norm_fast.cuh: a weight of float32
+# or x's dtype, a bias of the weight's dtype with a LayerNorm only). One slice a lane: 256 columns
+# on an odd row count (the last warps' second row past the end), 200 (lanes 25-31 idle) with a
+# zero-centred weight, two groups of 136 (17 slices), LayerNorms with and without a bias. Two
+# slices a lane: 64 slices, and 49 (lanes 17-31 holding one). Three (one row a lane): 96 slices,
+# and two groups of 65 (lane 0 alone holding a third). Four: 127 slices with a zero-centred weight
+# (lane 31 holding three), 97 (lane 0 alone holding four). Then the calls it leaves to
+# norm_fwd_fast_kernel: an RMSNorm with a bias, and no weight.
 ALONE_WARP_ROWS = (
     BASE.replace(hidden=256, lead=(257,)),
     BASE.replace(hidden=200, lead=(37,), zero_centered_weight=True),
@@ -345,6 +347,12 @@ ALONE_WARP_ROWS = (
     LAYER.replace(hidden=256, lead=(129,)),
     LAYER.replace(hidden=256, bias=False, lead=(33,)),
     LAYER.replace(hidden=272, group_size=136, lead=(11,)),
+    BASE.replace(hidden=512, lead=(37,)),
+    LAYER.replace(hidden=392, lead=(9,)),
+    LAYER.replace(hidden=768, lead=(7,)),
+    BASE.replace(hidden=1040, group_size=520, lead=(5,)),
+    BASE.replace(hidden=1016, lead=(5,), zero_centered_weight=True),
+    LAYER.replace(hidden=776, bias=False, lead=(11,)),
     BASE.replace(hidden=256, lead=(45,), bias=True),
     BASE.replace(hidden=256, lead=(45,), weight=False),
 )

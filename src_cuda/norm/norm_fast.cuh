@@ -579,77 +579,83 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   }
 }
 
-// The norm alone at one slice a lane in whole-warp segments (17 to 32 slices a group: 136 to
-// 256 16-bit columns), its weight (and bias, if any) of dtype kWt: the lean forward's work for
-// its two rows a lane with nothing decided at run time but the bias, the zero-centred weight,
-// the statistics and the fetch plan. norm_fwd_fast_kernel holds 48 registers there (10 CTAs an
-// SM), this one 40 (12). One H200, % of copy, bf16 rows of 256 columns, float32 weight, warm
-// (back to back) on 32768 rows, from a C harness calling the library: RMSNorm alone 95.8-97.5 in
-// norm_fwd_fast_kernel, 108.9-110.2 here (114.3 in the same plan written standalone at 40
-// registers), LayerNorm alone 80.8-81.8 / 91.7-92.6 (48 registers in both); on 65536 rows, past
-// the L2, 88.2-88.8 / 90.3-90.7 and 82.1-82.8 / 87.5-87.7. norm_fwd_fast_kernel held to 40 by
-// launch bounds spilled 20-28 bytes and fell to 82.7-84.2.
-template <int kDt, bool kLayer, int kWt>
+// The norm alone of 16-bit rows in whole-warp segments at K slices a lane (16 K + 1 to 32 K
+// slices a group: up to 256 K columns), its weight (and bias, if any) of dtype kWt: the lean
+// forward's plan for it (fast_fwd_rows rows a lane, blocks of kFastFwdBlock, the fetch plan past
+// the L2, the statistics, y not in L1) with nothing decided at run time but the bias, the
+// zero-centred weight, the statistics and the fetch plan. At one slice a lane
+// norm_fwd_fast_kernel holds 48 registers (10 CTAs an SM), this one 40 (12). One H200, % of
+// copy, bf16 rows, float32 weight, warm (back to back) on 32768 rows, from a C harness calling
+// the library, norm_fwd_fast_kernel / here: RMSNorm alone at 256 columns 95.8-97.5 /
+// 108.9-110.2 (114.3 in the same plan written standalone at 40 registers), LayerNorm alone
+// 80.8-81.8 / 91.7-92.6; at 392, 1016 (two, four slices) RMSNorm 86.4-87.4 / 91.1-92.2, 83.8 /
+// 85.6-85.8, LayerNorm 68.1-68.5 / 82.5-83.0, 78.5 / 82.0-82.2. norm_fwd_fast_kernel held to 40 by
+// launch bounds spilled 20-28 bytes and fell to 82.7-84.2. Forming the output four columns at a
+// time (the weight loaded for each row) held LayerNorm to 40 registers at one slice but lost 15
+// points there.
+template <int kDt, bool kLayer, int kWt, int K>
 __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_alone_kernel(const FastFwdArgs a) {
   using namespace norm_detail;
   constexpr Dtype D = Dtype(kDt), W = Dtype(kWt);
-  constexpr int R = fast_fwd_rows(kFwdAlone, 1, kDt);
+  constexpr int R = fast_fwd_rows(kFwdAlone, K, kDt);
   const int lane = threadIdx.x & 31;
   const int64_t r0 = (int64_t(blockIdx.x) * (kFastFwdBlock / 32) + (threadIdx.x >> 5)) * R;
-  const bool valid = lane < a.nslices;
-  const int64_t col = int64_t(blockIdx.y) * a.group_size + lane * kSlice;
+  const int64_t col0 = int64_t(blockIdx.y) * a.group_size + lane * kSlice;
+  // Slice k of the lane: lane + 32 k, columns col0 + 256 k onward.
+  auto valid = [&](int k) { return lane + 32 * k < a.nslices; };
+  auto column = [&](int k) { return col0 + 32 * k * kSlice; };
   const LoadHint hint = a.no_l1 ? LoadHint::kNoL1 : LoadHint::kCached;
-  Slice xs[R];
+  Slice xs[R][K];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
 #pragma unroll
-    for (int e = 0; e < kSlice; ++e) xs[i][e] = 0.f;
-    if (valid && r0 + i < a.rows)
-      fetch_slice(a.x, D, (r0 + i) * a.x_stride + col, kSlice, true, xs[i], hint);
+    for (int k = 0; k < K; ++k) {
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) xs[i][k][e] = 0.f;
+      if (valid(k) && r0 + i < a.rows)
+        fetch_slice(a.x, D, (r0 + i) * a.x_stride + column(k), kSlice, true, xs[i][k], hint);
+    }
   }
   // As norm_fwd_fast_kernel: lanes 0 to R - 1 fetch x's rows a.ahead_rows past their own.
   if (a.ahead_rows > 0 && lane < R && r0 + lane + a.ahead_rows < a.rows) {
     const int64_t at = (r0 + lane + a.ahead_rows) * a.x_stride + int64_t(blockIdx.y) * a.group_size;
     prefetch_l2_bulk(static_cast<const uint16_t*>(a.x) + at, unsigned(a.group_size * 2));
   }
-  // The lane's values of row i, widened from the packed registers in each pass (as
+  // The lane's values of slice k of row i, widened from the packed registers in each pass (as
   // norm_fwd_fast_kernel keeps the norm alone's x).
-  auto value = [&](int i, Slice& f) {
+  auto value = [&](int i, int k, Slice& f) {
 #pragma unroll
-    for (int e = 0; e < kSlice; ++e) f[e] = xs[i][e];
+    for (int e = 0; e < kSlice; ++e) f[e] = xs[i][k][e];
     widen_slice(D, true, f);
   };
   float sums[R], mean[R], rstd[R];
-  auto warp_sums = [&] {
+  // Each row's total over the warp of term(sum, v, i) folded over the lane's values v. An idle
+  // slice's zeros add nothing to the plain sums; `centred` sums leave them out.
+  auto row_sums = [&](bool centred, auto term) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      sums[i] = 0.f;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        Slice f;
+        value(i, k, f);
+        float t = sums[i];
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) t = term(t, f[e], i);
+        if (!centred || valid(k)) sums[i] = t;
+      }
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
 #pragma unroll
       for (int i = 0; i < R; ++i) sums[i] += __shfl_xor_sync(0xffffffffu, sums[i], o);
     }
   };
-#pragma unroll
-  for (int i = 0; i < R; ++i) {
-    Slice f;
-    value(i, f);
-    sums[i] = 0.f;
-#pragma unroll
-    for (int e = 0; e < kSlice; ++e) sums[i] = kLayer ? sums[i] + f[e] : fmaf(f[e], f[e], sums[i]);
-  }
-  warp_sums();
+  row_sums(false, [](float t, float v, int) { return kLayer ? t + v : fmaf(v, v, t); });
 #pragma unroll
   for (int i = 0; i < R; ++i) mean[i] = kLayer ? sums[i] * a.inv_len : 0.f;
-  if (kLayer) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      Slice f;
-      value(i, f);
-      sums[i] = 0.f;
-#pragma unroll
-      for (int e = 0; e < kSlice; ++e) sums[i] = fmaf(f[e] - mean[i], f[e] - mean[i], sums[i]);
-      if (!valid) sums[i] = 0.f;
-    }
-    warp_sums();
-  }
+  if (kLayer)
+    row_sums(true, [&](float t, float v, int i) { return fmaf(v - mean[i], v - mean[i], t); });
 #pragma unroll
   for (int i = 0; i < R; ++i) rstd[i] = rsqrtf(sums[i] * a.inv_len + a.eps);
   // The statistics as norm_fwd_fast_kernel stores them: lane i writes row r0 + i.
@@ -663,29 +669,32 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_alone_kernel(const Fas
       a.mean[r * a.mean_stride[0] + blockIdx.y * a.mean_stride[1]] = m;
     if (a.rstd != nullptr) a.rstd[r * a.rstd_stride[0] + blockIdx.y * a.rstd_stride[1]] = s;
   }
-  if (!valid) return;
-  Slice w, b;
-  fetch_slice(a.weight, W, col, kSlice, true, w);
-  widen_slice(W, true, w);
-  if (a.zero_centered_weight) {
 #pragma unroll
-    for (int e = 0; e < kSlice; ++e) w[e] += 1.f;
-  }
+  for (int k = 0; k < K; ++k) {
+    if (!valid(k)) return;
+    Slice w, b;
+    fetch_slice(a.weight, W, column(k), kSlice, true, w);
+    widen_slice(W, true, w);
+    if (a.zero_centered_weight) {
 #pragma unroll
-  for (int e = 0; e < kSlice; ++e) b[e] = 0.f;
-  if (kLayer && a.bias != nullptr) {
-    fetch_slice(a.bias, W, col, kSlice, true, b);
-    widen_slice(W, true, b);
-  }
+      for (int e = 0; e < kSlice; ++e) w[e] += 1.f;
+    }
 #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    if (r0 + i >= a.rows) continue;
-    Slice f;
-    value(i, f);
+    for (int e = 0; e < kSlice; ++e) b[e] = 0.f;
+    if (kLayer && a.bias != nullptr) {
+      fetch_slice(a.bias, W, column(k), kSlice, true, b);
+      widen_slice(W, true, b);
+    }
 #pragma unroll
-    for (int e = 0; e < kSlice; ++e) f[e] = (f[e] - mean[i]) * rstd[i] * w[e] + b[e];
-    // y not allocated in L1, as norm_fwd_fast_kernel stores it.
-    store_slice(a.y, D, (r0 + i) * a.y_stride + col, kSlice, true, f, StoreHint::kNoL1);
+    for (int i = 0; i < R; ++i) {
+      if (r0 + i >= a.rows) continue;
+      Slice f;
+      value(i, k, f);
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) f[e] = (f[e] - mean[i]) * rstd[i] * w[e] + b[e];
+      // y not allocated in L1, as norm_fwd_fast_kernel stores it.
+      store_slice(a.y, D, (r0 + i) * a.y_stride + column(k), kSlice, true, f, StoreHint::kNoL1);
+    }
   }
 }
 
@@ -1026,23 +1035,24 @@ auto gated_fwd_kernel(const NormArgs& a, int slices) {
            : fast_fwd_kernel<kDt, kRt, kIn, false, 4, kDt>(slices);
 }
 
-// Whether norm_fwd_alone_kernel takes a norm-alone call of 16-bit rows (dtype d) at `slices`
-// slices a lane: whole-warp segments, a weight of x's dtype or float32, a bias of the weight's
-// dtype with a LayerNorm only.
-inline bool alone_in_whole_warps(const NormArgs& a, const NormPlan& p, int slices, Dtype d) {
+// Whether norm_fwd_alone_kernel takes a norm-alone call of 16-bit rows (dtype d): whole-warp
+// segments, a weight of x's dtype or float32, a bias of the weight's dtype with a LayerNorm only.
+inline bool alone_in_whole_warps(const NormArgs& a, const NormPlan& p, Dtype d) {
   const Dtype w = a.weight.dtype;
-  return slices == 1 && p.threads == 32 && a.weight.present() && (w == Dtype::F32 || w == d) &&
+  return p.threads == 32 && a.weight.present() && (w == Dtype::F32 || w == d) &&
          (!a.bias.present() || (a.layer_norm && a.bias.dtype == w));
 }
 
-template <int kDt>
-auto alone_kernel(const NormArgs& a) {
-  constexpr int F = int(Dtype::F32);
-  if (a.weight.dtype == Dtype::F32)
-    return a.layer_norm ? norm_fwd_alone_kernel<kDt, true, F>
-                        : norm_fwd_alone_kernel<kDt, false, F>;
-  return a.layer_norm ? norm_fwd_alone_kernel<kDt, true, kDt>
-                      : norm_fwd_alone_kernel<kDt, false, kDt>;
+template <int kDt, int kWt>
+auto alone_kernel(const NormArgs& a, int slices) {
+  const bool L = a.layer_norm;
+  if (slices == 2)
+    return L ? norm_fwd_alone_kernel<kDt, true, kWt, 2> : norm_fwd_alone_kernel<kDt, false, kWt, 2>;
+  if (slices == 3)
+    return L ? norm_fwd_alone_kernel<kDt, true, kWt, 3> : norm_fwd_alone_kernel<kDt, false, kWt, 3>;
+  if (slices == 4)
+    return L ? norm_fwd_alone_kernel<kDt, true, kWt, 4> : norm_fwd_alone_kernel<kDt, false, kWt, 4>;
+  return L ? norm_fwd_alone_kernel<kDt, true, kWt, 1> : norm_fwd_alone_kernel<kDt, false, kWt, 1>;
 }
 
 template <int kDt, int kRt>
@@ -1060,8 +1070,9 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
       kernel = L ? fast_fwd_kernel<kDt, kRt, kFwdAlone, true, 4>(slices)
                  : fast_fwd_kernel<kDt, kRt, kFwdAlone, false, 4>(slices);
     if constexpr (Dtype(kDt) != Dtype::F32) {
-      if (inputs == kFwdAlone && alone_in_whole_warps(a, p, slices, Dtype(kDt)))
-        kernel = alone_kernel<kDt>(a);
+      if (inputs == kFwdAlone && alone_in_whole_warps(a, p, Dtype(kDt)))
+        kernel = a.weight.dtype == Dtype::F32 ? alone_kernel<kDt, int(Dtype::F32)>(a, slices)
+                                              : alone_kernel<kDt, kDt>(a, slices);
     }
     if (inputs == kFwdPrenorm)  // the weight in x's dtype or float32 (fast_fwd_inputs)
       kernel = a.weight.dtype != Dtype::F32
