@@ -233,7 +233,7 @@ NORM_CASES = [
     # The norm alone in whole-warp segments (norm_fwd_alone_kernel): at one slice a lane 32 slices
     # on an odd row count, 25 (lanes 25-31 idle) with a weight of x's dtype, two groups of 17, and
     # rows past the L2 (x fetched ahead and not allocated in L1); at two 49 slices (lanes 17-31
-    # holding one), at three two groups of 65, at four 97 (lane 0 alone holding four).
+    # holding one), at three two groups of 65, at four 97 (lane 0 alone holding four) and 128.
     (257, 256, 0, "rms", torch.bfloat16, torch.float32, False, False, 0, None),
     (37, 200, 0, "layer", torch.float16, torch.float16, False, False, 0, None),
     (19, 272, 136, "layer", torch.bfloat16, torch.float32, False, False, 0, None),
@@ -241,6 +241,7 @@ NORM_CASES = [
     (37, 392, 0, "layer", torch.bfloat16, torch.float32, False, False, 0, None),
     (11, 1040, 520, "rms", torch.float16, torch.float16, False, False, 0, None),
     (9, 776, 0, "layer", torch.bfloat16, torch.bfloat16, False, False, 0, None),
+    (13, 1024, 0, "layer", torch.bfloat16, torch.float32, False, False, 0, None),
 ]
 
 

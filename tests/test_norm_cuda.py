@@ -338,7 +338,7 @@ def test_backward(case, dtype, seed):
 # zero-centred weight, two groups of 136 (17 slices), LayerNorms with and without a bias. Two
 # slices a lane: 64 slices, and 49 (lanes 17-31 holding one). Three (one row a lane): 96 slices,
 # and two groups of 65 (lane 0 alone holding a third). Four: 127 slices with a zero-centred weight
-# (lane 31 holding three), 97 (lane 0 alone holding four). Then the calls it leaves to
+# (lane 31 holding three), 97 (lane 0 alone holding four), 128. Then the calls it leaves to
 # norm_fwd_fast_kernel: an RMSNorm with a bias, and no weight.
 ALONE_WARP_ROWS = (
     BASE.replace(hidden=256, lead=(257,)),
@@ -353,6 +353,7 @@ ALONE_WARP_ROWS = (
     BASE.replace(hidden=1040, group_size=520, lead=(5,)),
     BASE.replace(hidden=1016, lead=(5,), zero_centered_weight=True),
     LAYER.replace(hidden=776, bias=False, lead=(11,)),
+    LAYER.replace(hidden=1024, lead=(13,)),
     BASE.replace(hidden=256, lead=(45,), bias=True),
     BASE.replace(hidden=256, lead=(45,), weight=False),
 )

@@ -344,7 +344,7 @@ bool whole_pairs(int nslices) {
 // up to kFastFwdSlices slices; for gated 16-bit rows 2 or 3 up to three times that, and past
 // kFastDram the plain gated call in one group 4 up to four times that (the last items below); for
 // 16-bit rows without a gate, 2 up to twice that and 4 up to four times that for the prenorm call,
-// beside a float32 stream, and without a residual below the plain forward's kPlainMinSlices
+// beside a float32 stream, and without a residual up to the plain forward's kPlainMinSlices
 // (plain_plan); the norm alone and the rows beside a float32 stream take 3 instead where that
 // leaves fewer lanes idle (264-384 and 520-768 columns: 16 lanes a segment at 384, none idle,
 // against 32 lanes of 2 slices, 16 of them idle for the second). One H100, % of copy, direct timing
@@ -365,7 +365,12 @@ bool whole_pairs(int nslices) {
 //   RMSNorm 55.2 / 77.2-78.2 at 320 columns, 64.0 / 79.1-79.8 at 384 (89.7), 80.4 / 78.9-80.1 at
 //   512, 73.5 / 83.7-84.2 at 640, 83.4 / 85.5-86.1 at 768 (89.8), the plain forward / lean at 1024
 //   88.6 / 88.4; LayerNorm 51.6 / 68.3-68.6, 59.7 / 73.5-73.7 (83.3), 74.7 / 77.4-78.1, 62.1 /
-//   76.7-76.8, 72.6 / 82.8-84.0 (88.3), at 1024 87.0 / 86.1.
+//   76.7-76.8, 72.6 / 82.8-84.0 (88.3), at 1024 87.0 / 86.1. Since norm_fwd_alone_kernel, one
+//   H200, bf16, float32 weight, the plain forward / lean at 1024 (the C harness: 16896 rows
+//   issued alone, 32768 back to back, 65536 past the L2): RMSNorm 74.2-75.1 / 84.8, 87.7-87.8 /
+//   88.0, 94.0-94.1 / 92.3; LayerNorm 70.7-71.6 / 80.2, 83.5-83.7 / 84.8, 90.6 / 90.2;
+//   direct.py on 32768 rows RMSNorm 88.1-88.2 / 88.1-88.3, LayerNorm 83.7-83.8 / 85.1-85.3
+//   (torch.compile 90.7, 87.8).
 // - LayerNorm beside a float32 stream, held / lean: 86.2 / 86.4 at 320 columns, 88.2 / 88.9 at 384
 //   (compile 91.8), 91.3 / 92.6 at 512, 93.5 / 94.0 at 640, 94.5 / 95.0 at 768 (96.9), 94.6 / 95.6
 //   at 1024.
@@ -408,7 +413,7 @@ int lean_fwd_slices(const NormArgs& a, LeanDtypes d, int device) {
     return nslices > 2 * kFastFwdSlices || slots(3) < slots(2) ? 3 : 2;
   }
   const bool alone = !a.residual.present() && !a.residual_out.present();
-  const bool four = d.rt != d.dt || (alone ? nslices < kPlainMinSlices : prenorm_call(a, d));
+  const bool four = d.rt != d.dt || (alone ? nslices <= kPlainMinSlices : prenorm_call(a, d));
   const int K = nslices <= 2 * kFastFwdSlices ? 2
                 : four && nslices <= 4 * kFastFwdSlices ? 4 : 0;
   // Three slices a lane where they leave fewer lanes idle (the kernels of the norm alone and of
@@ -696,8 +701,10 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
     p.block = kFastFwdBlock;
     const FastFwdInputs inputs = fast_fwd_inputs(a, lean, p.threads);
     const LeanFwdFetch fetch = lean_fwd_fetch(a, inputs, lean_slices, device);
-    p.row_blocks = ceil_div(a.rows, int64_t(kFastFwdBlock / p.threads) *
-                                        fast_fwd_rows(inputs, lean_slices, lean.dt));
+    const int rows = alone_kernel_takes(a, p, inputs, Dtype(lean.dt))
+                         ? kAloneFwdRows
+                         : fast_fwd_rows(inputs, lean_slices, lean.dt);
+    p.row_blocks = ceil_div(a.rows, int64_t(kFastFwdBlock / p.threads) * rows);
     if (p.row_blocks <= INT_MAX)
       return cuda_status(with_lean_dtypes(lean, [&](auto dt, auto rt) {
                            return launch_norm_fwd_fast<decltype(dt)::value, decltype(rt)::value>(

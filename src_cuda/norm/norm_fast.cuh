@@ -581,23 +581,24 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
 
 // The norm alone of 16-bit rows in whole-warp segments at K slices a lane (16 K + 1 to 32 K
 // slices a group: up to 256 K columns), its weight (and bias, if any) of dtype kWt: the lean
-// forward's plan for it (fast_fwd_rows rows a lane, blocks of kFastFwdBlock, the fetch plan past
+// forward's plan for it (kAloneFwdRows rows a lane, blocks of kFastFwdBlock, the fetch plan past
 // the L2, the statistics, y not in L1) with nothing decided at run time but the bias, the
 // zero-centred weight, the statistics and the fetch plan. At one slice a lane
 // norm_fwd_fast_kernel holds 48 registers (10 CTAs an SM), this one 40 (12). One H200, % of
 // copy, bf16 rows, float32 weight, warm (back to back) on 32768 rows, from a C harness calling
 // the library, norm_fwd_fast_kernel / here: RMSNorm alone at 256 columns 95.8-97.5 /
 // 108.9-110.2 (114.3 in the same plan written standalone at 40 registers), LayerNorm alone
-// 80.8-81.8 / 91.7-92.6; at 392, 1016 (two, four slices) RMSNorm 86.4-87.4 / 91.1-92.2, 83.8 /
-// 85.6-85.8, LayerNorm 68.1-68.5 / 82.5-83.0, 78.5 / 82.0-82.2. norm_fwd_fast_kernel held to 40 by
-// launch bounds spilled 20-28 bytes and fell to 82.7-84.2. Forming the output four columns at a
+// 80.8-81.8 / 91.7-92.6; at 392, 1016 (two, four slices; at four one row a lane then, two since:
+// kAloneFwdRows) RMSNorm 86.4-87.4 / 91.1-92.2, 83.8 / 85.6-85.8, LayerNorm 68.1-68.5 / 82.5-83.0,
+// 78.5 / 82.0-82.2. norm_fwd_fast_kernel held to 40 by launch bounds spilled 20-28 bytes and fell
+// to 82.7-84.2. Forming the output four columns at a
 // time (the weight loaded for each row) held LayerNorm to 40 registers at one slice but lost 15
 // points there.
 template <int kDt, bool kLayer, int kWt, int K>
 __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_alone_kernel(const FastFwdArgs a) {
   using namespace norm_detail;
   constexpr Dtype D = Dtype(kDt), W = Dtype(kWt);
-  constexpr int R = fast_fwd_rows(kFwdAlone, K, kDt);
+  constexpr int R = kAloneFwdRows;
   const int lane = threadIdx.x & 31;
   const int64_t r0 = (int64_t(blockIdx.x) * (kFastFwdBlock / 32) + (threadIdx.x >> 5)) * R;
   const int64_t col0 = int64_t(blockIdx.y) * a.group_size + lane * kSlice;
@@ -1035,14 +1036,6 @@ auto gated_fwd_kernel(const NormArgs& a, int slices) {
            : fast_fwd_kernel<kDt, kRt, kIn, false, 4, kDt>(slices);
 }
 
-// Whether norm_fwd_alone_kernel takes a norm-alone call of 16-bit rows (dtype d): whole-warp
-// segments, a weight of x's dtype or float32, a bias of the weight's dtype with a LayerNorm only.
-inline bool alone_in_whole_warps(const NormArgs& a, const NormPlan& p, Dtype d) {
-  const Dtype w = a.weight.dtype;
-  return p.threads == 32 && a.weight.present() && (w == Dtype::F32 || w == d) &&
-         (!a.bias.present() || (a.layer_norm && a.bias.dtype == w));
-}
-
 template <int kDt, int kWt>
 auto alone_kernel(const NormArgs& a, int slices) {
   const bool L = a.layer_norm;
@@ -1070,7 +1063,7 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
       kernel = L ? fast_fwd_kernel<kDt, kRt, kFwdAlone, true, 4>(slices)
                  : fast_fwd_kernel<kDt, kRt, kFwdAlone, false, 4>(slices);
     if constexpr (Dtype(kDt) != Dtype::F32) {
-      if (inputs == kFwdAlone && alone_in_whole_warps(a, p, Dtype(kDt)))
+      if (alone_kernel_takes(a, p, inputs, Dtype(kDt)))
         kernel = a.weight.dtype == Dtype::F32 ? alone_kernel<kDt, int(Dtype::F32)>(a, slices)
                                               : alone_kernel<kDt, kDt>(a, slices);
     }

@@ -98,6 +98,22 @@ __host__ __device__ constexpr int fast_fwd_rows(FastFwdInputs inputs, int slices
   if (slices >= 3) return 1;
   return inputs == kFwdPrenorm && slices == 1 && Dtype(dt) != Dtype::F32 ? 4 : 2;
 }
+// norm_fwd_alone_kernel (norm_fast.cuh) takes two rows a lane at every slice count. At three and
+// four slices a lane, one row / two (44-64 / 76-112 registers, no spills), one H200, % of copy, C
+// harness, bf16, float32 weight, warm on 32768 rows: RMSNorm 88.1-88.2 / 89.1-89.5 at 768
+// columns, 85.6-85.8 / 84.8-85.2 at 1016; LayerNorm 83.7-83.8 / 85.8-86.2, 82.0-82.2 /
+// 82.2-82.6; past the L2 (65536 rows) RMSNorm 89.8-89.9 / 91.1-91.3, 89.0 / 89.0-89.2, LayerNorm
+// 86.0-86.1 / 88.4-88.6, 86.6 / 87.5-87.6.
+constexpr int kAloneFwdRows = 2;
+// Whether norm_fwd_alone_kernel takes a lean forward (inputs, 16-bit rows of dtype d): the norm
+// alone in whole-warp segments, a weight of x's dtype or float32, a bias of the weight's dtype
+// with a LayerNorm only.
+inline bool alone_kernel_takes(const NormArgs& a, const NormPlan& p, FastFwdInputs inputs,
+                               Dtype d) {
+  const Dtype w = a.weight.dtype;
+  return inputs == kFwdAlone && d != Dtype::F32 && p.threads == 32 && a.weight.present() &&
+         (w == Dtype::F32 || w == d) && (!a.bias.present() || (a.layer_norm && a.bias.dtype == w));
+}
 // The prenorm kernel fetches into L2 (a bulk prefetch a row share) the rows kPrenormAheadBytes of
 // x ahead of its own, so a block that starts later finds its x and residual there rather than
 // waiting a DRAM latency. One H100, % of copy, direct timing, RMSNorm + residual (bf16, float32
@@ -261,7 +277,8 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int
                                  cudaStream_t stream);
 
 // The plain forward (norm_plain.cuh): whole rows of 16-bit x without a residual or a gate from
-// kPlainMinSlices slices (1024 columns; the lean forward takes shorter ones), weight given in
+// kPlainMinSlices slices (1024 columns; the lean forward takes shorter ones, and the norm alone at
+// 1024 columns: lean_fwd_slices in norm_cuda.cu), weight given in
 // float32 or x's dtype, bias (if any) in the weight's. One block a row of p.threads threads up to
 // kPlainCtaSlices slices; past that the ceil(nslices / kPlainCtaSlices) CTAs of a cluster share a
 // row (p.cluster, p.cta_slices each; sm_90 and later, up to kMaxCluster: 131072 columns), adding
