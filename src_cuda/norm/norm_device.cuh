@@ -173,6 +173,26 @@ struct Slices {
 
 using Slice = float[kSlice];
 
+// Each of R rows' sum within a lane, before its segment's reduction: term(sum, v, i, k) folded over
+// the values v of each of the lane's K slices k of row i (value(i, k, f) gives them), kept where
+// keep(k).
+template <int R, int K, class Value, class Term, class Keep>
+__device__ __forceinline__ void lane_row_sums(float (&sums)[R], Value value, Term term, Keep keep) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    sums[i] = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      Slice f;
+      value(i, k, f);
+      float t = sums[i];
+#pragma unroll
+      for (int e = 0; e < kSlice; ++e) t = term(t, f[e], i, k);
+      if (keep(k)) sums[i] = t;
+    }
+  }
+}
+
 // The backward's dweight and dbias sums of a block (each thread's, for slices lane + k * threads
 // of its segment) written as partial row `at.row_block` of p.partial: the block's slots are added
 // in slot order through shared memory (deterministic), one slice at a time. Called by every

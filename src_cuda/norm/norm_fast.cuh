@@ -468,17 +468,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   // Each row's total over its segment of term(sum, v, row, k) folded over the lane's values v.
   float sums[R];
   auto row_sums = [&](auto term) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      sums[i] = 0.f;
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        Slice f;
-        value(i, k, f);
-#pragma unroll
-        for (int e = 0; e < kSlice; ++e) sums[i] = term(sums[i], f[e], i, k);
-      }
-    }
+    lane_row_sums<R, K>(sums, value, term, [](int) { return true; });
     segment_sum<R, 32>(sums, T, nullptr, true);
   };
   row_sums([](float sum, float v, int, int) { return kLayer ? sum + v : fmaf(v, v, sum); });
@@ -633,30 +623,18 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_alone_kernel(const Fas
   // Each row's total over the warp of term(sum, v, i) folded over the lane's values v. An idle
   // slice's zeros add nothing to the plain sums; `centred` sums leave them out.
   auto row_sums = [&](bool centred, auto term) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      sums[i] = 0.f;
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        Slice f;
-        value(i, k, f);
-        float t = sums[i];
-#pragma unroll
-        for (int e = 0; e < kSlice; ++e) t = term(t, f[e], i);
-        if (!centred || valid(k)) sums[i] = t;
-      }
-    }
+    lane_row_sums<R, K>(sums, value, term, [&](int k) { return !centred || valid(k); });
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
 #pragma unroll
       for (int i = 0; i < R; ++i) sums[i] += __shfl_xor_sync(0xffffffffu, sums[i], o);
     }
   };
-  row_sums(false, [](float t, float v, int) { return kLayer ? t + v : fmaf(v, v, t); });
+  row_sums(false, [](float t, float v, int, int) { return kLayer ? t + v : fmaf(v, v, t); });
 #pragma unroll
   for (int i = 0; i < R; ++i) mean[i] = kLayer ? sums[i] * a.inv_len : 0.f;
   if (kLayer)
-    row_sums(true, [&](float t, float v, int i) { return fmaf(v - mean[i], v - mean[i], t); });
+    row_sums(true, [&](float t, float v, int i, int) { return fmaf(v - mean[i], v - mean[i], t); });
 #pragma unroll
   for (int i = 0; i < R; ++i) rstd[i] = rsqrtf(sums[i] * a.inv_len + a.eps);
   // The statistics as norm_fwd_fast_kernel stores them: lane i writes row r0 + i.
