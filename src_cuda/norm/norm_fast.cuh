@@ -569,11 +569,11 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   }
 }
 
-// The norm alone of 16-bit rows in whole-warp segments at K slices a lane (16 K + 1 to 32 K
-// slices a group: up to 256 K columns), its weight (and bias, if any) of dtype kWt: the lean
-// forward's plan for it (kAloneFwdRows rows a lane, blocks of kFastFwdBlock, the fetch plan past
-// the L2, the statistics, y not in L1) with nothing decided at run time but the bias, the
-// zero-centred weight, the statistics and the fetch plan. At one slice a lane
+// The norm alone of 16-bit rows in whole-warp segments at K slices a lane (up to 32 K slices, 256
+// K columns, a group; lean_fwd_slices in norm_cuda.cu picks K), its weight (and bias, if any) of
+// dtype kWt: the lean forward's plan for it (kAloneFwdRows rows a lane, blocks of kFastFwdBlock,
+// the fetch plan past the L2, the statistics, y not in L1) with nothing decided at run time but
+// the bias, the zero-centred weight, the statistics and the fetch plan. At one slice a lane
 // norm_fwd_fast_kernel holds 48 registers (10 CTAs an SM), this one 40 (12). One H200, % of
 // copy, bf16 rows, float32 weight, warm (back to back) on 32768 rows, from a C harness calling
 // the library, norm_fwd_fast_kernel / here: RMSNorm alone at 256 columns 95.8-97.5 /
@@ -581,9 +581,8 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
 // 80.8-81.8 / 91.7-92.6; at 392, 1016 (two, four slices; at four one row a lane then, two since:
 // kAloneFwdRows) RMSNorm 86.4-87.4 / 91.1-92.2, 83.8 / 85.6-85.8, LayerNorm 68.1-68.5 / 82.5-83.0,
 // 78.5 / 82.0-82.2. norm_fwd_fast_kernel held to 40 by launch bounds spilled 20-28 bytes and fell
-// to 82.7-84.2. Forming the output four columns at a
-// time (the weight loaded for each row) held LayerNorm to 40 registers at one slice but lost 15
-// points there.
+// to 82.7-84.2. Forming the output four columns at a time (the weight loaded for each row) held
+// LayerNorm to 40 registers at one slice but lost 15 points there.
 template <int kDt, bool kLayer, int kWt, int K>
 __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_alone_kernel(const FastFwdArgs a) {
   using namespace norm_detail;
@@ -1014,6 +1013,7 @@ auto gated_fwd_kernel(const NormArgs& a, int slices) {
            : fast_fwd_kernel<kDt, kRt, kIn, false, 4, kDt>(slices);
 }
 
+// norm_fwd_alone_kernel at `slices` slices a lane (1 to 4), its weight of dtype kWt.
 template <int kDt, int kWt>
 auto alone_kernel(const NormArgs& a, int slices) {
   const bool L = a.layer_norm;
