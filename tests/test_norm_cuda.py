@@ -336,10 +336,11 @@ def test_backward(case, dtype, seed):
 # or x's dtype, a bias of the weight's dtype with a LayerNorm only). One slice a lane: 256 columns
 # on an odd row count (the last warps' second row past the end), 200 (lanes 25-31 idle) with a
 # zero-centred weight, two groups of 136 (17 slices), LayerNorms with and without a bias. Two
-# slices a lane: 64 slices, and 49 (lanes 17-31 holding one). Three (one row a lane): 96 slices,
-# and two groups of 65 (lane 0 alone holding a third). Four: 127 slices with a zero-centred weight
-# (lane 31 holding three), 97 (lane 0 alone holding four), 128. Then the calls it leaves to
-# norm_fwd_fast_kernel: an RMSNorm with a bias, and no weight.
+# slices a lane: 64 slices, and 49 (lanes 17-31 holding one). Three: 96 slices, and two groups of
+# 65 (lane 0 alone holding a third). Four: 127 slices with a zero-centred weight (lane 31 holding
+# three), 97 (lane 0 alone holding four), 128. From two slices every row count is odd, so the last
+# warps' second row lies past the end. Then the calls it leaves to norm_fwd_fast_kernel: an
+# RMSNorm with a bias, and no weight.
 ALONE_WARP_ROWS = (
     BASE.replace(hidden=256, lead=(257,)),
     BASE.replace(hidden=200, lead=(37,), zero_centered_weight=True),
