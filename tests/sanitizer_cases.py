@@ -299,6 +299,10 @@ NORM_STREAM_CASES = [
     (9, 520, "rms", torch.float16, False),
     (300, 8200, "layer", torch.float16, True),
     (250, 24584, "rms", torch.bfloat16, False),
+    # The lean forward in blocks of one warp (lean_fwd_block): 64 slices at two a lane, the last
+    # block's second row past the end; 96 at three (1024 at four is above).
+    (21, 512, "layer", torch.bfloat16, True),
+    (11, 768, "rms", torch.bfloat16, True),
 ]
 
 

@@ -339,8 +339,8 @@ def test_backward(case, dtype, seed):
 # slices a lane: 64 slices, and 49 (lanes 17-31 holding one). Three: 96 slices, and two groups of
 # 65 (lane 0 alone holding a third). Four: 127 slices with a zero-centred weight (lane 31 holding
 # three), 97 (lane 0 alone holding four), 128. From two slices every row count is odd, so the last
-# warps' second row lies past the end. Then the calls it leaves to norm_fwd_fast_kernel: an
-# RMSNorm with a bias, and no weight.
+# warps' second row lies past the end (from three slices the blocks are one warp, lean_fwd_block).
+# Then the calls it leaves to norm_fwd_fast_kernel: an RMSNorm with a bias, and no weight.
 ALONE_WARP_ROWS = (
     BASE.replace(hidden=256, lead=(257,)),
     BASE.replace(hidden=200, lead=(37,), zero_centered_weight=True),
@@ -371,6 +371,35 @@ def test_alone_whole_warp_rows(case, dtype, weight, seed):
     wide[:, :case.hidden] = strided["x"]
     strided["x"] = wide[:, :case.hidden]
     forward_on_gpu_and_cpu(case.replace(lead=(5,)), strided)
+
+
+# 16-bit x beside a float32 stream in whole-warp segments (norm_fwd_fast_kernel): one slice a
+# lane (256 columns on an odd row count; 200, lanes 25-31 idle, with a zero-centred weight), two
+# (49 slices, lanes 17-31 holding one), three (two groups of 65), four (127 slices). Where two to
+# four slices leave no lane idle the blocks are one warp (lean_fwd_block, norm_plan.h): 64 slices
+# with no residual (residual_out is x widened), 96, 128; odd row counts, so the last block's
+# second row (two slices a lane) lies past the end.
+STREAM_WARP_ROWS = (
+    LAYER.replace(hidden=256, residual=True, prenorm=True, lead=(257,)),
+    BASE.replace(hidden=200, residual=True, prenorm=True, zero_centered_weight=True, lead=(37,)),
+    LAYER.replace(hidden=392, residual=True, lead=(9,)),
+    LAYER.replace(hidden=1040, group_size=520, residual=True, prenorm=True, lead=(5,)),
+    BASE.replace(hidden=1016, residual=True, prenorm=True, lead=(7,)),
+    BASE.replace(hidden=512, prenorm=True, lead=(21,)),
+    LAYER.replace(hidden=768, residual=True, prenorm=True, lead=(11,)),
+    LAYER.replace(hidden=1024, residual=True, lead=(13,)),
+)
+
+
+@pytest.mark.parametrize("case", STREAM_WARP_ROWS, ids=case_id)
+@half_dtypes
+@weight_dtypes
+def test_float32_stream_whole_warp_rows(case, dtype, weight, seed):
+    wdtype = torch.float32 if weight == "float32" else dtype
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda",
+                              dtypes={"weight": wdtype, "bias": wdtype,
+                                      "residual": torch.float32})
+    forward_on_gpu_and_cpu(case, inputs, residual_dtype=torch.float32)
 
 
 # The plain gated call (plain_gated_call, norm_plan.h: no residual, a weight of float32 or x's

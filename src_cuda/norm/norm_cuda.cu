@@ -698,13 +698,13 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   const int lean_slices = lean_fwd_slices(a, lean, device);
   NormPlan p = shape_plan(a, std::max(lean_slices, 1));
   if (lean_slices > 0) {
-    p.block = kFastFwdBlock;
     const FastFwdInputs inputs = fast_fwd_inputs(a, lean, p.threads);
     const LeanFwdFetch fetch = lean_fwd_fetch(a, inputs, lean_slices, device);
+    p.block = lean_fwd_block(a, p, inputs, Dtype(lean.dt), Dtype(lean.rt), lean_slices);
     const int rows = alone_kernel_takes(a, p, inputs, Dtype(lean.dt))
                          ? kAloneFwdRows
                          : fast_fwd_rows(inputs, lean_slices, lean.dt);
-    p.row_blocks = ceil_div(a.rows, int64_t(kFastFwdBlock / p.threads) * rows);
+    p.row_blocks = ceil_div(a.rows, int64_t(p.block / p.threads) * rows);
     if (p.row_blocks <= INT_MAX)
       return cuda_status(with_lean_dtypes(lean, [&](auto dt, auto rt) {
                            return launch_norm_fwd_fast<decltype(dt)::value, decltype(rt)::value>(

@@ -307,14 +307,14 @@ struct FastFwdArgs {
 // alone and both: 82.9-83.3, 83.8-84.3 and 84.6-84.7 at 256 columns (four rows a lane in each),
 // 90.9-91.1, 90.7 and 91.0-91.1 at 512.
 //
-// The lean forward, for segments of up to K * kFastFwdSlices slices (norm_plan.h): p.threads
-// lanes a segment (a power of two up to a warp), K slices a lane (lane + k * p.threads), each
-// lane taking fast_fwd_rows rows at once, so their loads are in flight together, their
-// reductions interleave and the scale is loaded once for them. Blocks of kFastFwdBlock threads,
+// The lean forward, for segments of up to K * kFastFwdSlices slices (norm_plan.h): p.threads lanes
+// a segment (a power of two up to a warp), K slices a lane (lane + k * p.threads), each lane taking
+// fast_fwd_rows rows at once, so their loads are in flight together, their reductions interleave
+// and the scale is loaded once for them. Blocks of p.block threads (lean_fwd_block, norm_plan.h),
 // one a (row group, group) pair: grid (row groups, ngroups). kDt: x, y and z; kRt: residual and
-// residual_out (kDt too, or float32 beside 16-bit x). kIn: the inputs beside x, a
-// FastFwdInputs; kLayer: a LayerNorm; kWt: the weight's dtype in the prenorm kernel and the
-// plain gated ones (gated_fwd_kernel; -1 elsewhere: read at run time).
+// residual_out (kDt too, or float32 beside 16-bit x). kIn: the inputs beside x, a FastFwdInputs;
+// kLayer: a LayerNorm; kWt: the weight's dtype in the prenorm kernel and the plain gated ones
+// (gated_fwd_kernel; -1 elsewhere: read at run time).
 template <int kDt, int kRt, int kIn, bool kLayer, int K, int kWt = -1>
 __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const FastFwdArgs a) {
   using namespace norm_detail;
@@ -571,7 +571,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
 
 // The norm alone of 16-bit rows in whole-warp segments at K slices a lane (up to 32 K slices, 256
 // K columns, a group; lean_fwd_slices in norm_cuda.cu picks K), its weight (and bias, if any) of
-// dtype kWt: the lean forward's plan for it (kAloneFwdRows rows a lane, blocks of kFastFwdBlock,
+// dtype kWt: the lean forward's plan for it (kAloneFwdRows rows a lane, blocks of lean_fwd_block,
 // the fetch plan past the L2, the statistics, y not in L1) with nothing decided at run time but
 // the bias, the zero-centred weight, the statistics and the fetch plan. At one slice a lane
 // norm_fwd_fast_kernel holds 48 registers (10 CTAs an SM), this one 40 (12). One H200, % of
@@ -589,7 +589,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_alone_kernel(const Fas
   constexpr Dtype D = Dtype(kDt), W = Dtype(kWt);
   constexpr int R = kAloneFwdRows;
   const int lane = threadIdx.x & 31;
-  const int64_t r0 = (int64_t(blockIdx.x) * (kFastFwdBlock / 32) + (threadIdx.x >> 5)) * R;
+  const int64_t r0 = (int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
   const int64_t col0 = int64_t(blockIdx.y) * a.group_size + lane * kSlice;
   // Slice k of the lane: lane + 32 k, columns col0 + 256 k onward.
   auto valid = [&](int k) { return lane + 32 * k < a.nslices; };

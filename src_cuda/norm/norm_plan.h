@@ -51,13 +51,13 @@ cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 // stream (residual and residual_out forward; x, dresidual_out and dresidual backward), kDt too or
 // float32 beside 16-bit kDt. Both take a gate where kDt == kRt. The forward takes segments of up to
 // `slices` * kFastFwdSlices slices, `slices` (1; 2, 3 or 4 for 16-bit rows, lean_fwd_slices in
-// norm_cuda.cu) a lane and fast_fwd_rows rows a lane at once, in blocks of
-// kFastFwdBlock threads, not persistent: p.row_blocks row groups of kFastFwdBlock / p.threads *
-// fast_fwd_rows rows. One H100, % of copy, direct timing (GPU time only), bf16 rows of 256 columns,
-// against the persistent kernel it replaced (one row a lane at a time, the next row's loads in
-// flight, ~850 bytes of parameters): the norm alone RMSNorm 86.8 / 95.8, LayerNorm 70.6 / 80.3,
-// RMSNorm + residual 80.6 / 81.7, gated 75.6 / 77.3. One row a lane ran at 84.4 / 70.5 / 79.9 /
-// 78.3, four at 87.9 / 72.8 / 81.2 / 74.6 (80-96 registers). More slices a lane instead of rows
+// norm_cuda.cu) a lane and fast_fwd_rows rows a lane at once, in blocks of kFastFwdBlock threads
+// (one warp where lean_fwd_block says), not persistent: p.row_blocks row groups of p.block /
+// p.threads * fast_fwd_rows rows. One H100, % of copy, direct timing (GPU time only), bf16 rows of
+// 256 columns, against the persistent kernel it replaced (one row a lane at a time, the next row's
+// loads in flight, ~850 bytes of parameters): the norm alone RMSNorm 86.8 / 95.8, LayerNorm 70.6 /
+// 80.3, RMSNorm + residual 80.6 / 81.7, gated 75.6 / 77.3. One row a lane ran at 84.4 / 70.5 / 79.9
+// / 78.3, four at 87.9 / 72.8 / 81.2 / 74.6 (80-96 registers). More slices a lane instead of rows
 // lost at every width to 1024 columns in that persistent kernel (rows of 512 columns, two slices a
 // lane: 79.0 against 80.1 for the held forward, RMSNorm alone); this one, its options compiled in,
 // takes them (lean_fwd_slices gives the measurements). Two slices a lane as well as two rows
@@ -113,6 +113,26 @@ inline bool alone_kernel_takes(const NormArgs& a, const NormPlan& p, FastFwdInpu
   const Dtype w = a.weight.dtype;
   return inputs == kFwdAlone && d != Dtype::F32 && p.threads == 32 && a.weight.present() &&
          (w == Dtype::F32 || w == d) && (!a.bias.present() || (a.layer_norm && a.bias.dtype == w));
+}
+// The lean forward's block (norm_fwd_cuda; its kernels take a segment's row from blockDim): one
+// warp where that measured faster, kFastFwdBlock threads elsewhere. A finer grid ends with a
+// shorter tail. One H200, % of copy, bf16, float32 weight, 32768 rows, blocks of 128 / 32:
+// - the norm alone's kernel from three slices a lane (C harness, warm): RMSNorm 87.1-87.2 /
+//   88.2-88.5 at 1024 columns, LayerNorm 84.6 / 85.3-85.6 at 1024, 82.3-82.5 / 82.9 at 1016,
+//   85.8-86.0 / 86.3-86.4 at 768 (78.5-78.6 / 83.7-83.9 on 16896 rows, each call issued alone).
+//   At two slices it lost (direct timing, RMSNorm at 512: 91.3-91.4 / 90.0-90.1), and at one
+//   blocks of 64 lost 9 points (RMSNorm at 256, 108.6-109.6 / 99.7-100.2);
+// - 16-bit x beside a float32 stream from two slices a lane where the segment leaves no lane
+//   idle (direct timing, warm): LayerNorm 87.8 / 89.0 at 512, 93.3-93.4 / 93.6-93.8 at 1024,
+//   91.9 / 91.6-91.7 at 768; RMSNorm beside it 89.5-89.6 / 90.7 at 512, 92.7 / 94.6 at 1024. At
+//   one slice (256) 82.3-82.4 / 81.9-82.0. The prenorm RMSNorm (a 16-bit residual) lost 14 points
+//   at 1024 (95.1 / 80.6), so it keeps kFastFwdBlock.
+inline int lean_fwd_block(const NormArgs& a, const NormPlan& p, FastFwdInputs inputs, Dtype d,
+                          Dtype stream, int slices) {
+  const bool alone = alone_kernel_takes(a, p, inputs, d) && slices >= 3;
+  const bool f32_stream = inputs == kFwdResidual && d != Dtype::F32 && stream == Dtype::F32 &&
+                          p.threads == 32 && slices >= 2 && p.nslices == 32 * slices;
+  return alone || f32_stream ? 32 : kFastFwdBlock;
 }
 // The prenorm kernel fetches into L2 (a bulk prefetch a row share) the rows kPrenormAheadBytes of
 // x ahead of its own, so a block that starts later finds its x and residual there rather than
