@@ -52,30 +52,30 @@ cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 // float32 beside 16-bit kDt. Both take a gate where kDt == kRt. The forward takes segments of up to
 // `slices` * kFastFwdSlices slices, `slices` (1; 2, 3 or 4 for 16-bit rows, lean_fwd_slices in
 // norm_cuda.cu) a lane and fast_fwd_rows rows a lane at once, in blocks of kFastFwdBlock threads
-// (one warp where lean_fwd_block says), not persistent: p.row_blocks row groups of p.block /
-// p.threads * fast_fwd_rows rows. One H100, % of copy, direct timing (GPU time only), bf16 rows of
-// 256 columns, against the persistent kernel it replaced (one row a lane at a time, the next row's
-// loads in flight, ~850 bytes of parameters): the norm alone RMSNorm 86.8 / 95.8, LayerNorm 70.6 /
-// 80.3, RMSNorm + residual 80.6 / 81.7, gated 75.6 / 77.3. One row a lane ran at 84.4 / 70.5 / 79.9
-// / 78.3, four at 87.9 / 72.8 / 81.2 / 74.6 (80-96 registers). More slices a lane instead of rows
-// lost at every width to 1024 columns in that persistent kernel (rows of 512 columns, two slices a
-// lane: 79.0 against 80.1 for the held forward, RMSNorm alone); this one, its options compiled in,
-// takes them (lean_fwd_slices gives the measurements). Two slices a lane as well as two rows
-// (`slices`, 70 registers) take 16-bit rows beside a residual of their dtype up to 2 *
-// kFastFwdSlices slices: one H100, direct timing, against the held forward's 2 slices a thread in
-// one warp a row, RMSNorm of bf16 beside bf16, 85.2-86.0 / 86.5-86.8 at 384 columns, 88.9-89.9 /
-// 90.2-90.6 at 512 (compile 91.3-92.0), LayerNorm 83.5 / 84.8 at 384, 87.9 / 89.2 at 512 (compile
-// 90.4). Four slices a lane, one row (as torch.compile's kernel at 1024 columns), did not beat it
-// there in the residual kernel: 95.1-95.6 / 95.1-95.3 at 1024, 93.4 / 93.1-93.6 at 768; the prenorm
-// kernel, its weight fetched with x, takes them (lean_fwd_slices). Before the GPU-time windows (one
-// H200), against the staged forward: 72 / 64 at 256 columns (bf16 with a bf16 residual), 81 / 82 at
-// 512, 85 / 90 at 1024, 86 / 93 for gated groups of 1024. The backward with kCluster shares a
-// segment among the p.cluster CTAs of a thread-block cluster (sm_90 and later), p.cta_slices slices
-// each, that add their partial sums through distributed shared memory; without it one CTA holds a
-// segment. Its launcher lowers p.row_blocks to the clusters that run at once with kCluster
-// (without, the fused plan has sized it): the partial sums have p.row_blocks rows. With kCluster it
-// returns cudaErrorInvalidClusterSize, launching nothing, when not one cluster of p.cluster CTAs
-// fits on the device.
+// (one warp where lean_fwd_block says), not persistent: p.row_blocks row groups of
+// p.block / p.threads * fast_fwd_rows rows. One H100, % of copy, direct timing (GPU time only),
+// bf16 rows of 256 columns, against the persistent kernel it replaced (one row a lane at a time,
+// the next row's loads in flight, ~850 bytes of parameters): the norm alone RMSNorm 86.8 / 95.8,
+// LayerNorm 70.6 / 80.3, RMSNorm + residual 80.6 / 81.7, gated 75.6 / 77.3. One row a lane ran at
+// 84.4 / 70.5 / 79.9 / 78.3, four at 87.9 / 72.8 / 81.2 / 74.6 (80-96 registers). More slices a
+// lane instead of rows lost at every width to 1024 columns in that persistent kernel (rows of 512
+// columns, two slices a lane: 79.0 against 80.1 for the held forward, RMSNorm alone); this one, its
+// options compiled in, takes them (lean_fwd_slices gives the measurements). Two slices a lane as
+// well as two rows (`slices`, 70 registers) take 16-bit rows beside a residual of their dtype up to
+// 2 * kFastFwdSlices slices: one H100, direct timing, against the held forward's 2 slices a thread
+// in one warp a row, RMSNorm of bf16 beside bf16, 85.2-86.0 / 86.5-86.8 at 384 columns,
+// 88.9-89.9 / 90.2-90.6 at 512 (compile 91.3-92.0), LayerNorm 83.5 / 84.8 at 384, 87.9 / 89.2 at
+// 512 (compile 90.4). Four slices a lane, one row (as torch.compile's kernel at 1024 columns), did
+// not beat it there in the residual kernel: 95.1-95.6 / 95.1-95.3 at 1024, 93.4 / 93.1-93.6 at 768;
+// the prenorm kernel, its weight fetched with x, takes them (lean_fwd_slices). Before the GPU-time
+// windows (one H200), against the staged forward: 72 / 64 at 256 columns (bf16 with a bf16
+// residual), 81 / 82 at 512, 85 / 90 at 1024, 86 / 93 for gated groups of 1024. The backward with
+// kCluster shares a segment among the p.cluster CTAs of a thread-block cluster (sm_90 and later),
+// p.cta_slices slices each, that add their partial sums through distributed shared memory; without
+// it one CTA holds a segment. Its launcher lowers p.row_blocks to the clusters that run at once
+// with kCluster (without, the fused plan has sized it): the partial sums have p.row_blocks rows.
+// With kCluster it returns cudaErrorInvalidClusterSize, launching nothing, when not one cluster of
+// p.cluster CTAs fits on the device.
 constexpr int kFastFwdSlices = 32, kFastFwdBlock = 128;
 // What a lean forward reads beside x, each in a kernel of its own (norm_fast.cuh says why):
 // nothing, a residual and/or residual_out, a gate z (and a residual where given) before the norm
@@ -126,7 +126,8 @@ inline bool alone_kernel_takes(const NormArgs& a, const NormPlan& p, FastFwdInpu
 //   idle (direct timing, warm): LayerNorm 87.8 / 89.0 at 512, 93.3-93.4 / 93.6-93.8 at 1024,
 //   91.9 / 91.6-91.7 at 768; RMSNorm beside it 89.5-89.6 / 90.7 at 512, 92.7 / 94.6 at 1024. At
 //   one slice (256) 82.3-82.4 / 81.9-82.0. The prenorm RMSNorm (a 16-bit residual) lost 14 points
-//   at 1024 (95.1 / 80.6), so it keeps kFastFwdBlock.
+//   at 1024 (95.1 / 80.6), so it keeps kFastFwdBlock, and so do the gated calls (level at
+//   768: 90.1 / 89.7).
 inline int lean_fwd_block(const NormArgs& a, const NormPlan& p, FastFwdInputs inputs, Dtype d,
                           Dtype stream, int slices) {
   const bool alone = alone_kernel_takes(a, p, inputs, d) && slices >= 3;
