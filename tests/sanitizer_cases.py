@@ -269,13 +269,13 @@ def run_norm_cases():
     run_norm_stream_cases()
 
 
-# rows, hidden, kind, x dtype, prenorm: the float32 residual stream (Mamba's residual_in_fp32)
-# through the torch adapter, whose backward writes dx in x's dtype and dresidual in float32 (the
-# generic API's dx follows s): the lean backward at 4096 columns, the ring backward past that (a
-# LayerNorm's from 4104 past 4 TB/s of DRAM), one CTA up to 8192 columns (641 slices in 352
-# threads, the last lanes idle; 1024 in 512), clusters past it (two CTAs of 513 and 512 slices;
-# four without dresidual_out), with enough rows that every CTA walks its ring of stages more than
-# once.
+# rows, hidden, kind, x dtype, prenorm[, with a bias: True if left out]: the float32 residual stream
+# (Mamba's residual_in_fp32) through the torch adapter, whose backward writes dx in x's dtype and
+# dresidual in float32 (the generic API's dx follows s): the lean backward at 4096 columns, the ring
+# backward past that (a LayerNorm's from 4104 past 4 TB/s of DRAM), one CTA up to 8192 columns (641
+# slices in 352 threads, the last lanes idle; 1024 in 512), clusters past it (two CTAs of 513 and
+# 512 slices; four without dresidual_out), with enough rows that every CTA walks its ring of stages
+# more than once.
 NORM_STREAM_CASES = [
     (33, 4096, "layer", torch.bfloat16, True),
     (500, 5128, "layer", torch.bfloat16, True),
@@ -303,21 +303,28 @@ NORM_STREAM_CASES = [
     # block's second row past the end; 96 at three (1024 at four is above).
     (21, 512, "layer", torch.bfloat16, True),
     (11, 768, "rms", torch.bfloat16, True),
+    # norm_fwd_stream_kernel (a bias only with LayerNorm): one slice a lane in blocks of two
+    # warps; RMSNorm without a bias at one slice and at four with the last slice's halves past
+    # the row in some lanes (127 slices).
+    (257, 256, "layer", torch.bfloat16, True),
+    (257, 256, "rms", torch.bfloat16, True, False),
+    (13, 1016, "rms", torch.float16, True, False),
 ]
 
 
 def run_norm_stream_cases():
-    for rows, hidden, kind, dtype, prenorm in NORM_STREAM_CASES:
+    for rows, hidden, kind, dtype, prenorm, *rest in NORM_STREAM_CASES:
+        with_bias = rest[0] if rest else True
         x = torch.randn(rows, hidden, device="cuda", dtype=dtype, requires_grad=True)
         residual = torch.randn(rows, hidden, device="cuda", requires_grad=True)
         weight = torch.randn(hidden, device="cuda", requires_grad=True)
-        bias = torch.randn(hidden, device="cuda", requires_grad=True)
+        bias = torch.randn(hidden, device="cuda", requires_grad=True) if with_bias else None
         fn = ssm_torch.layer_norm if kind == "layer" else ssm_torch.rms_norm
         out = fn(x, weight, bias, residual, prenorm=prenorm, residual_dtype=torch.float32)
         outputs = list(out) if prenorm else [out]
         torch.autograd.backward(outputs, [torch.randn_like(t) for t in outputs])
         torch.cuda.synchronize()
-        tensors = outputs + [x.grad, residual.grad, weight.grad, bias.grad]
+        tensors = outputs + [t.grad for t in (x, residual, weight, bias) if t is not None]
         finite = all(bool(torch.isfinite(t).all()) for t in tensors)
         print(f"norm stream {(rows, hidden)} {kind} {str(dtype)[6:]} prenorm={prenorm}: ran, "
               f"finite={finite}", flush=True)

@@ -373,12 +373,12 @@ def test_alone_whole_warp_rows(case, dtype, weight, seed):
     forward_on_gpu_and_cpu(case.replace(lead=(5,)), strided)
 
 
-# 16-bit x beside a float32 stream in whole-warp segments (norm_fwd_fast_kernel): one slice a
-# lane (256 columns on an odd row count; 200, lanes 25-31 idle, with a zero-centred weight), two
-# (49 slices, lanes 17-31 holding one), three (two groups of 65), four (127 slices). Where two to
-# four slices leave no lane idle the blocks are one warp (lean_fwd_block, norm_plan.h): 64 slices
-# with no residual (residual_out is x widened), 96, 128; odd row counts, so the last block's
-# second row (two slices a lane) lies past the end.
+# 16-bit x beside a float32 stream in whole-warp segments (norm_fwd_stream_kernel, in halves of
+# 4 columns 128 apart; at one slice a lane with idle lanes norm_fwd_fast_kernel): one slice a
+# lane (256 columns on an odd row count, blocks of two warps for LayerNorm; 200, lanes 25-31
+# idle, with a zero-centred weight), two (49 slices: the second half of lanes 17-31's slice past
+# the row), three (two groups of 65), four (127 slices); 64 slices with no residual (residual_out
+# is x widened), 96, 128; odd row counts, so the last block's second row lies past the end.
 STREAM_WARP_ROWS = (
     LAYER.replace(hidden=256, residual=True, prenorm=True, lead=(257,)),
     BASE.replace(hidden=200, residual=True, prenorm=True, zero_centered_weight=True, lead=(37,)),
@@ -396,10 +396,17 @@ STREAM_WARP_ROWS = (
 @weight_dtypes
 def test_float32_stream_whole_warp_rows(case, dtype, weight, seed):
     wdtype = torch.float32 if weight == "float32" else dtype
-    inputs = make_norm_inputs(case, dtype, seed, device="cuda",
-                              dtypes={"weight": wdtype, "bias": wdtype,
-                                      "residual": torch.float32})
+    dtypes = {"weight": wdtype, "bias": wdtype, "residual": torch.float32}
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda", dtypes=dtypes)
     forward_on_gpu_and_cpu(case, inputs, residual_dtype=torch.float32)
+    # x and the residual in rows of twice the width apart, through views.
+    strided = make_norm_inputs(case.replace(lead=(5,)), dtype, seed, device="cuda", dtypes=dtypes)
+    for name in ("x", "residual"):
+        if strided[name] is not None:
+            wide = torch.zeros(5, 2 * case.hidden, dtype=strided[name].dtype, device="cuda")
+            wide[:, :case.hidden] = strided[name]
+            strided[name] = wide[:, :case.hidden]
+    forward_on_gpu_and_cpu(case.replace(lead=(5,)), strided, residual_dtype=torch.float32)
 
 
 # The plain gated call (plain_gated_call, norm_plan.h: no residual, a weight of float32 or x's

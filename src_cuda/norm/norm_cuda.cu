@@ -701,9 +701,11 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
     const FastFwdInputs inputs = fast_fwd_inputs(a, lean, p.threads);
     const LeanFwdFetch fetch = lean_fwd_fetch(a, inputs, lean_slices, device);
     p.block = lean_fwd_block(a, p, inputs, Dtype(lean.dt), Dtype(lean.rt), lean_slices);
-    const int rows = alone_kernel_takes(a, p, inputs, Dtype(lean.dt))
-                         ? kAloneFwdRows
-                         : fast_fwd_rows(inputs, lean_slices, lean.dt);
+    const int rows =
+        alone_kernel_takes(a, p, inputs, Dtype(lean.dt)) ? kAloneFwdRows
+        : stream_kernel_takes(a, p, inputs, Dtype(lean.dt), Dtype(lean.rt), lean_slices)
+            ? stream_fwd_rows(lean_slices)
+            : fast_fwd_rows(inputs, lean_slices, lean.dt);
     p.row_blocks = ceil_div(a.rows, int64_t(p.block / p.threads) * rows);
     if (p.row_blocks <= INT_MAX)
       return cuda_status(with_lean_dtypes(lean, [&](auto dt, auto rt) {

@@ -114,6 +114,26 @@ inline bool alone_kernel_takes(const NormArgs& a, const NormPlan& p, FastFwdInpu
   return inputs == kFwdAlone && d != Dtype::F32 && p.threads == 32 && a.weight.present() &&
          (w == Dtype::F32 || w == d) && (!a.bias.present() || (a.layer_norm && a.bias.dtype == w));
 }
+// Whether norm_fwd_stream_kernel takes a lean forward at `slices` slices a lane: 16-bit x of
+// dtype d beside a float32 residual stream (a residual in and/or residual_out), whole-warp
+// segments, the weight and bias rules of alone_kernel_takes, and at one slice a lane only a
+// segment with no lane idle. One H200, % of copy, direct timing (bf16 x, float32 weight, 32768
+// rows, warm), norm_fwd_fast_kernel / this one at 200 columns (25 slices): RMSNorm 79.9 / 78.1,
+// LayerNorm 77.5 / 77.8.
+inline bool stream_kernel_takes(const NormArgs& a, const NormPlan& p, FastFwdInputs inputs, Dtype d,
+                                Dtype stream, int slices) {
+  const Dtype w = a.weight.dtype;
+  return inputs == kFwdResidual && d != Dtype::F32 && stream == Dtype::F32 && p.threads == 32 &&
+         (slices > 1 || p.nslices == 32) && a.weight.present() && (w == Dtype::F32 || w == d) &&
+         (!a.bias.present() || (a.layer_norm && a.bias.dtype == w));
+}
+// Rows a lane of norm_fwd_stream_kernel takes at once at `slices` slices a lane. One H200, % of
+// copy, direct timing (bf16 x, float32 stream and weight, 32768 rows, warm / each call issued
+// alone): at 256 columns two rows / four (blocks of one warp) LayerNorm 83.9 / 83.4, 80.0 / 81.0,
+// RMSNorm 85.0 / 82.9, 82.5 / 78.9; a standalone LayerNorm of the kernel's plan at 512 and 768
+// columns, two rows / one, 92.5 / 90.6 and 94.9 / 92.5; at 1024 one row (72-128 registers, as
+// torch.compile's kernel there, 122).
+__host__ __device__ constexpr int stream_fwd_rows(int slices) { return slices < 4 ? 2 : 1; }
 // The lean forward's block (norm_fwd_cuda; its kernels take a segment's row from blockDim): one
 // warp where that measured faster, kFastFwdBlock threads elsewhere. A finer grid ends with a
 // shorter tail. One H200, % of copy, bf16, float32 weight, 32768 rows, blocks of 128 / 32:
@@ -122,14 +142,20 @@ inline bool alone_kernel_takes(const NormArgs& a, const NormPlan& p, FastFwdInpu
 //   85.8-86.0 / 86.3-86.4 at 768 (78.5-78.6 / 83.7-83.9 on 16896 rows, each call issued alone).
 //   At two slices it lost (direct timing, RMSNorm at 512: 91.3-91.4 / 90.0-90.1), and at one
 //   blocks of 64 lost 9 points (RMSNorm at 256, 108.6-109.6 / 99.7-100.2);
-// - 16-bit x beside a float32 stream from two slices a lane where the segment leaves no lane
-//   idle (direct timing, warm): LayerNorm 87.8 / 89.0 at 512, 93.3-93.4 / 93.6-93.8 at 1024,
-//   91.9 / 91.6-91.7 at 768; RMSNorm beside it 89.5-89.6 / 90.7 at 512, 92.7 / 94.6 at 1024. At
-//   one slice (256) 82.3-82.4 / 81.9-82.0. The prenorm RMSNorm (a 16-bit residual) lost 14 points
-//   at 1024 (95.1 / 80.6), so it keeps kFastFwdBlock, and so do the gated calls (level at
-//   768: 90.1 / 89.7).
+// - norm_fwd_stream_kernel: one warp, but 64 threads for a LayerNorm at one slice a lane
+//   (direct timing, 256 columns, blocks of 32 / 64 / 128, warm then each call issued alone):
+//   LayerNorm 83.6-84.0 / 84.3-84.6 / 83.9-84.3, 79.7-80.1 / 82.0-82.3 / 81.3-81.9; RMSNorm
+//   84.9-85.1 / 84.2-84.5 / 84.1-84.7, 82.2-82.8 / 80.5-80.7 / 79.8-81.0;
+// - the calls beside a float32 stream it leaves (norm_fwd_fast_kernel: no weight, a bias beside
+//   RMSNorm) from two slices a lane where the segment leaves no lane idle (direct timing, warm):
+//   LayerNorm 87.8 / 89.0 at 512, 93.3-93.4 / 93.6-93.8 at 1024, 91.9 / 91.6-91.7 at 768;
+//   RMSNorm 89.5-89.6 / 90.7 at 512, 92.7 / 94.6 at 1024. At one slice (256) 82.3-82.4 /
+//   81.9-82.0. The prenorm RMSNorm (a 16-bit residual) lost 14 points at 1024 (95.1 / 80.6), so
+//   it keeps kFastFwdBlock, and so do the gated calls (level at 768: 90.1 / 89.7).
 inline int lean_fwd_block(const NormArgs& a, const NormPlan& p, FastFwdInputs inputs, Dtype d,
                           Dtype stream, int slices) {
+  if (stream_kernel_takes(a, p, inputs, d, stream, slices))
+    return slices == 1 && a.layer_norm ? 64 : 32;
   const bool alone = alone_kernel_takes(a, p, inputs, d) && slices >= 3;
   const bool f32_stream = inputs == kFwdResidual && d != Dtype::F32 && stream == Dtype::F32 &&
                           p.threads == 32 && slices >= 2 && p.nslices == 32 * slices;

@@ -75,6 +75,19 @@ __device__ __forceinline__ void widen_slice(Dtype d, bool vec, float (&v)[kSlice
   }
 }
 
+// a and b rounded to 16-bit dtype d and packed in one word, a in the low half.
+__device__ __forceinline__ uint32_t pack_pair(Dtype d, float a, float b) {
+  uint32_t w;
+  if (d == Dtype::BF16) {
+    const __nv_bfloat162 t = __floats2bfloat162_rn(a, b);
+    memcpy(&w, &t, sizeof t);
+  } else {
+    const __half2 t = __floats2half2_rn(a, b);
+    memcpy(&w, &t, sizeof t);
+  }
+  return w;
+}
+
 // How store_slice stores a 16-bit `vec` slice: store_16_bytes, store_16_bytes_streaming or
 // store_16_bytes_no_l1 (device_dtype.cuh).
 enum class StoreHint { kCached, kStreaming, kNoL1 };
@@ -95,15 +108,7 @@ __device__ __forceinline__ void store_slice(void* p, Dtype d, int64_t i, int n, 
     }
     uint32_t w[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (d == Dtype::BF16) {
-        const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
-        memcpy(&w[k], &b, sizeof b);
-      } else {
-        const __half2 h = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
-        memcpy(&w[k], &h, sizeof h);
-      }
-    }
+    for (int k = 0; k < 4; ++k) w[k] = pack_pair(d, v[2 * k], v[2 * k + 1]);
     const uint4 packed = make_uint4(w[0], w[1], w[2], w[3]);
     uint16_t* q = static_cast<uint16_t*>(p) + i;
     if (hint == StoreHint::kStreaming) store_16_bytes_streaming(q, packed);
