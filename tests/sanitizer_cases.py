@@ -294,7 +294,8 @@ NORM_STREAM_CASES = [
     # CTA an SM; 161 in 256.
     (400, 3080, "layer", torch.bfloat16, True),
     (600, 1288, "layer", torch.float16, True),
-    # The lean forward's three slices a lane beside the stream: 41 slices, 65.
+    # The lean forward beside the stream at 41 slices (two a lane in norm_fwd_stream_kernel) and
+    # 65 (three).
     (19, 328, "layer", torch.bfloat16, True),
     (9, 520, "rms", torch.float16, False),
     (300, 8200, "layer", torch.float16, True),

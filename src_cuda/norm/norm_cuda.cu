@@ -417,9 +417,14 @@ int lean_fwd_slices(const NormArgs& a, LeanDtypes d, int device) {
   const int K = nslices <= 2 * kFastFwdSlices ? 2
                 : four && nslices <= 4 * kFastFwdSlices ? 4 : 0;
   // Three slices a lane where they leave fewer lanes idle (the kernels of the norm alone and of
-  // a float32 stream take them).
-  const bool three = (alone || d.rt != d.dt) && K > 0 && nslices <= 3 * kFastFwdSlices &&
-                     slots(3) < slots(K);
+  // a float32 stream take them), but not in place of two in norm_fwd_stream_kernel, whose whole
+  // warps gained on three in 16-lane segments (norm_fwd_fast_kernel). One H200, % of copy,
+  // direct timing (bf16 x, float32 stream and weight, 32768 rows), three / two, warm then each
+  // call issued alone: LayerNorm 85.4 / 86.9 and 84.5 / 84.8 at 384 columns, 82.3 / 83.7 and
+  // 81.2 / 81.0 at 320; RMSNorm 87.5 / 88.9 and 86.5 / 87.1, 85.2 / 86.1 and 83.5 / 83.8.
+  const bool stream_two = d.rt != d.dt && K == 2 && lean_weight_takes(a, Dtype(d.dt));
+  const bool three = (alone || d.rt != d.dt) && !stream_two && K > 0 &&
+                     nslices <= 3 * kFastFwdSlices && slots(3) < slots(K);
   return three ? 3 : K;
 }
 

@@ -105,27 +105,30 @@ __host__ __device__ constexpr int fast_fwd_rows(FastFwdInputs inputs, int slices
 // 82.2-82.6; past the L2 (65536 rows) RMSNorm 89.8-89.9 / 91.1-91.3, 89.0 / 89.0-89.2, LayerNorm
 // 86.0-86.1 / 88.4-88.6, 86.6 / 87.5-87.6.
 constexpr int kAloneFwdRows = 2;
-// Whether norm_fwd_alone_kernel takes a lean forward (inputs, 16-bit rows of dtype d): the norm
-// alone in whole-warp segments, a weight of x's dtype or float32, a bias of the weight's dtype
+// Whether the weight and bias of a call on 16-bit rows of dtype d are those norm_fwd_alone_kernel
+// and norm_fwd_stream_kernel take: a weight of x's dtype or float32, a bias of the weight's dtype
 // with a LayerNorm only.
+inline bool lean_weight_takes(const NormArgs& a, Dtype d) {
+  const Dtype w = a.weight.dtype;
+  return a.weight.present() && (w == Dtype::F32 || w == d) &&
+         (!a.bias.present() || (a.layer_norm && a.bias.dtype == w));
+}
+// Whether norm_fwd_alone_kernel takes a lean forward (inputs, 16-bit rows of dtype d): the norm
+// alone in whole-warp segments, the weight and bias of lean_weight_takes.
 inline bool alone_kernel_takes(const NormArgs& a, const NormPlan& p, FastFwdInputs inputs,
                                Dtype d) {
-  const Dtype w = a.weight.dtype;
-  return inputs == kFwdAlone && d != Dtype::F32 && p.threads == 32 && a.weight.present() &&
-         (w == Dtype::F32 || w == d) && (!a.bias.present() || (a.layer_norm && a.bias.dtype == w));
+  return inputs == kFwdAlone && d != Dtype::F32 && p.threads == 32 && lean_weight_takes(a, d);
 }
 // Whether norm_fwd_stream_kernel takes a lean forward at `slices` slices a lane: 16-bit x of
 // dtype d beside a float32 residual stream (a residual in and/or residual_out), whole-warp
-// segments, the weight and bias rules of alone_kernel_takes, and at one slice a lane only a
-// segment with no lane idle. One H200, % of copy, direct timing (bf16 x, float32 weight, 32768
+// segments, the weight and bias of lean_weight_takes, and at one slice a lane only a segment
+// with no lane idle. One H200, % of copy, direct timing (bf16 x, float32 weight, 32768
 // rows, warm), norm_fwd_fast_kernel / this one at 200 columns (25 slices): RMSNorm 79.9 / 78.1,
 // LayerNorm 77.5 / 77.8.
 inline bool stream_kernel_takes(const NormArgs& a, const NormPlan& p, FastFwdInputs inputs, Dtype d,
                                 Dtype stream, int slices) {
-  const Dtype w = a.weight.dtype;
   return inputs == kFwdResidual && d != Dtype::F32 && stream == Dtype::F32 && p.threads == 32 &&
-         (slices > 1 || p.nslices == 32) && a.weight.present() && (w == Dtype::F32 || w == d) &&
-         (!a.bias.present() || (a.layer_norm && a.bias.dtype == w));
+         (slices > 1 || p.nslices == 32) && lean_weight_takes(a, d);
 }
 // Rows a lane of norm_fwd_stream_kernel takes at once at `slices` slices a lane. One H200, % of
 // copy, direct timing (bf16 x, float32 stream and weight, 32768 rows, warm / each call issued
