@@ -376,9 +376,9 @@ def test_alone_whole_warp_rows(case, dtype, weight, seed):
 # 16-bit x beside a float32 stream in whole-warp segments (norm_fwd_stream_kernel, in halves of
 # 4 columns 128 apart; at one slice a lane with idle lanes norm_fwd_fast_kernel): one slice a
 # lane (256 columns on an odd row count, blocks of two warps for LayerNorm; 200, lanes 25-31
-# idle, with a zero-centred weight), two (49 slices: the second half of lanes 17-31's slice past
-# the row), three (two groups of 65), four (127 slices); 64 slices with no residual (residual_out
-# is x widened), 96, 128; odd row counts, so the last block's second row lies past the end.
+# idle, with a zero-centred weight), two (49 slices: slice 1's second half past the row in lanes
+# 2-31), three (two groups of 65), four (127 slices); 64 slices with no residual (residual_out is
+# x widened), 96, 128; odd row counts, so the last block's second row lies past the end.
 STREAM_WARP_ROWS = (
     LAYER.replace(hidden=256, residual=True, prenorm=True, lead=(257,)),
     BASE.replace(hidden=200, residual=True, prenorm=True, zero_centered_weight=True, lead=(37,)),
