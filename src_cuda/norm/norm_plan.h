@@ -134,8 +134,8 @@ inline bool stream_kernel_takes(const NormArgs& a, const NormPlan& p, FastFwdInp
 // copy, direct timing (bf16 x, float32 stream and weight, 32768 rows, warm / each call issued
 // alone): at 256 columns two rows / four (blocks of one warp) LayerNorm 83.9 / 83.4, 80.0 / 81.0,
 // RMSNorm 85.0 / 82.9, 82.5 / 78.9; a standalone LayerNorm of the kernel's plan at 512 and 768
-// columns, two rows / one, 92.5 / 90.6 and 94.9 / 92.5; at 1024 one row (72-128 registers, as
-// torch.compile's kernel there, 122).
+// columns, two rows / one, 92.5 / 90.6 and 94.9 / 92.5; at 1024 one row (64-128 registers;
+// torch.compile's kernel there holds 122).
 __host__ __device__ constexpr int stream_fwd_rows(int slices) { return slices < 4 ? 2 : 1; }
 // The lean forward's block (norm_fwd_cuda; its kernels take a segment's row from blockDim): one
 // warp where that measured faster, kFastFwdBlock threads elsewhere. A finer grid ends with a
