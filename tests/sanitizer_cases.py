@@ -124,6 +124,10 @@ NORM_CASES = [
     (9, 760, 0, "layer", torch.float16, torch.float16, True, True, 0, None),
     (15, 200, 0, "rms", torch.float16, torch.float32, True, True, 0, None),
     (11, 328, 0, "rms", torch.bfloat16, torch.bfloat16, True, True, 0, None),
+    # The plain gated call at four slices a lane past 4 TB/s of DRAM, its weight fetched before x
+    # and z: the gate first at 113 slices (lanes 17-31 holding three), the gate after at 128.
+    (13, 904, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
+    (9, 1024, 0, "rms", torch.float16, torch.float16, True, True, 0, None),
     # The plain gated call past twice the L2 (x, z and y beyond twice 60 MB) fetches x and z
     # ahead into L2 at two slices a lane (40 slices), and at three (95) holds fewer CTAs an SM
     # where the DRAM is not past 4 TB/s.

@@ -409,6 +409,23 @@ def test_float32_stream_whole_warp_rows(case, dtype, weight, seed):
     forward_on_gpu_and_cpu(case.replace(lead=(5,)), strided, residual_dtype=torch.float32)
 
 
+# Rows whose offsets pass 32 bits: norm_fwd_stream_kernel computes them in 64-bit arithmetic there
+# (offsets_fit_32, norm_plan.h), 32-bit elsewhere. x's three rows lie 2**30 + 256 elements apart
+# (a 4 GiB allocation, untouched but for them), the last one past INT32_MAX.
+@pytest.mark.parametrize("hidden", [256, 1024])
+def test_float32_stream_offsets_past_32_bits(hidden, seed):
+    case = LAYER.replace(hidden=hidden, residual=True, prenorm=True, lead=(3,))
+    inputs = make_norm_inputs(case, torch.bfloat16, seed, device="cuda",
+                              dtypes={"weight": torch.float32, "bias": torch.float32,
+                                      "residual": torch.float32})
+    stride = 2**30 + 256
+    wide = torch.empty(2 * stride + hidden, dtype=torch.bfloat16, device="cuda")
+    x = wide.as_strided((3, hidden), (stride, 1))
+    x.copy_(inputs["x"])
+    inputs["x"] = x
+    forward_on_gpu_and_cpu(case, inputs, residual_dtype=torch.float32)
+
+
 # The plain gated call (plain_gated_call, norm_plan.h: no residual, a weight of float32 or x's
 # dtype, no bias, not zero-centred) takes lean kernels with those options compiled out: one slice a
 # lane (200 columns), two (456: 57 slices, lanes 25-31 holding one), three (328: 41 slices in 16

@@ -387,6 +387,34 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   for (int i = 0; i < R; ++i) row_ok[i] = r0 + i < a.rows;
   auto ok = [&](int i, int k) { return row_ok[i] && valid[k]; };
 
+  // With a gate at one slice a lane, in the plain gated kernels at three and four and in the
+  // prenorm kernel, the weight (and bias) are fetched first, raw, so their latency overlaps that of
+  // x instead of following the reductions (the other gated kernels at two or three slices a lane
+  // held 83-132 registers with them, against 72-80). % of copy, direct timing: gated rows of 256
+  // columns 80.7 -> 82.5-82.9 (one H100). RMSNorm + residual (bf16, float32 weight) at four slices
+  // a lane, 1024 columns: 91.0-91.1 -> 92.5-92.6 on 32768 rows (one H200), 87.0 -> 96.1 on 2640
+  // rows, whose bytes stay in L2 (one H100; level on 32768 there); at two, 512 columns: 84.3-84.4
+  // -> 85.6-86.1 (H200), level on the H100; level at 256 on both. In the residual kernel it moved
+  // nothing (-0.9 to +0.7), and the norm alone lost 5-9 points. Fetched after x and z, the weight
+  // waited behind the first use of z (ptxas scheduled the gate's sigmoid, which stalls on z's
+  // arrival, ahead of the weight's loads); fetched before them, one H200, bf16 x and z, float32
+  // weight, 32768 rows, warm, after / before (torch.compile): the gate first 84.3 / 85.8 at 256
+  // columns (82.6), 87.4 / 88.4 at 640 (88.8), 90.2 / 92.0 at 768 (94.7-95.1), 93.1 / 94.4 at 1024
+  // (95.5), but 91.6 / 89.8 at 896 (93.5); the gate after 91.0 / 93.3 at 768, 87.3 / 93.1 at 896,
+  // 92.2 / 94.9 at 1024; RMSNorm + residual level (95.0 / 95.3 at 1024). At two slices a lane
+  // (512 columns) the plain gated call lost with the weight early (87.3 -> 86.0).
+  constexpr bool kEarly = kPrenorm || (kGate && K == 1) || (kPlainGated && K >= 3);
+  const Dtype wt = kWt >= 0 ? Dtype(kWt) : a.weight_dtype;
+  Slice we[K], be[K];
+  if constexpr (kEarly) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (!valid[k]) continue;
+      if (kFixed || a.weight != nullptr) fetch_slice(a.weight, wt, col[k], kSlice, true, we[k]);
+      if (!kFixed && a.bias != nullptr)
+        fetch_slice(a.bias, a.bias_dtype, col[k], kSlice, true, be[k]);
+    }
+  }
   // x, residual and z as loaded (16-bit ones packed): every load is issued before any is used.
   const LoadHint load_hint = D != Dtype::F32 && a.no_l1 ? LoadHint::kNoL1 : LoadHint::kCached;
   Slice xs[R][K], rs[R][K], zs[R][K];
@@ -404,16 +432,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
       if (kGate) fetch_slice(a.z, D, offset(a.z_stride, i, k), kSlice, true, zs[i][k], load_hint);
     }
   }
-  // With a gate at one slice a lane, in the plain gated kernels at three (gated_fwd_kernel has
-  // their measurements) and in the prenorm kernel, the weight (and bias) are fetched here, raw,
-  // so their latency overlaps that of x instead of following the reductions (the other gated
-  // kernels at two or three slices a lane held 83-132 registers with them, against 72-80). % of
-  // copy, direct timing: gated rows of 256 columns 80.7 -> 82.5-82.9 (one H100). RMSNorm + residual
-  // (bf16, float32 weight) at four slices a lane, 1024 columns: 91.0-91.1 -> 92.5-92.6 on 32768
-  // rows (one H200), 87.0 -> 96.1 on 2640 rows, whose bytes stay in L2 (one H100; level on 32768
-  // there); at two, 512 columns: 84.3-84.4 -> 85.6-86.1 (H200), level on the H100; level at 256 on
-  // both. In the residual kernel it moved nothing (-0.9 to +0.7), and the norm alone lost 5-9
-  // points. The prenorm kernel's lanes 0 to R - 1 fetch into L2 the group's share of x in rows
+  // The prenorm kernel's lanes 0 to R - 1 fetch into L2 the group's share of x in rows
   // a.ahead_rows past their own, lanes R to 2 R - 1 the residual's (kPrenormAheadBytes says why);
   // the plain gated kernels' likewise x's and z's, and the norm alone's lanes 0 to R - 1 x's,
   // where their launcher asks (kGatedAheadBytes, kAloneAheadBytes).
@@ -428,18 +447,6 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
       const int64_t at = r * stride + int64_t(blockIdx.y) * a.group_size;
       prefetch_l2_bulk(static_cast<const char*>(base) + at * bytes,
                        unsigned(a.group_size * bytes));
-    }
-  }
-  constexpr bool kEarly = kPrenorm || (kGate && K == 1) || (kPlainGated && K == 3);
-  const Dtype wt = kWt >= 0 ? Dtype(kWt) : a.weight_dtype;
-  Slice we[K], be[K];
-  if constexpr (kEarly) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      if (!valid[k]) continue;
-      if (kFixed || a.weight != nullptr) fetch_slice(a.weight, wt, col[k], kSlice, true, we[k]);
-      if (!kFixed && a.bias != nullptr)
-        fetch_slice(a.bias, a.bias_dtype, col[k], kSlice, true, be[k]);
     }
   }
   // s = x + residual in float32. The norm alone keeps x packed and widens it again in each pass
@@ -730,7 +737,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_alone_kernel(const Fas
 // (four rows a lane at 256 columns then): LayerNorm 82.3 / 83.5 at 256, 86.3 / 86.6 at 384,
 // 89.3 / 90.8 at 512, 91.3 / 94.3 at 768, 93.4 / 95.0 at 1024, 83.4 / 86.7 at 392; RMSNorm
 // 90.6 / 90.8 at 512, 93.4 / 93.4 at 768, 94.7 / 95.8 at 1024.
-template <int kDt, bool kLayer, int kWt, int K>
+template <int kDt, bool kLayer, int kWt, int K, bool kNarrow>
 __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_stream_kernel(const FastFwdArgs a) {
   using namespace norm_detail;
   constexpr Dtype D = Dtype(kDt), W = Dtype(kWt), S = Dtype::F32;
@@ -741,6 +748,13 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_stream_kernel(const Fa
   // Whether half h of slice k (the quad of 4 columns lane + 32 (2 k + h)) lies in the segment.
   auto in_row = [&](int k, int h) { return lane + 32 * (2 * k + h) < 2 * a.nslices; };
   auto column = [&](int k) { return col0 + 256 * k; };
+  // Where slice k of row r0 + i starts in a tensor of row stride `stride`: in 32-bit arithmetic
+  // where every offset of the call fits it (kNarrow, offsets_fit_32; unsigned, so the rows past
+  // the end, never loaded, wrap instead of overflowing).
+  auto at = [&](int64_t stride, int i, int k) -> int64_t {
+    if constexpr (kNarrow) return unsigned(r0 + i) * unsigned(stride) + unsigned(column(k));
+    else return (r0 + i) * stride + column(k);
+  };
   bool row_ok[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) row_ok[i] = r0 + i < a.rows;
@@ -751,8 +765,8 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_stream_kernel(const Fa
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const bool lo = row_ok[i] && in_row(k, 0), hi = row_ok[i] && in_row(k, 1);
-      fetch_halves(a.x, D, (r0 + i) * a.x_stride + column(k), lo, hi, xs[i][k]);
-      fetch_halves(a.residual, S, (r0 + i) * a.residual_stride + column(k),
+      fetch_halves(a.x, D, at(a.x_stride, i, k), lo, hi, xs[i][k]);
+      fetch_halves(a.residual, S, at(a.residual_stride, i, k),
                    lo && a.residual != nullptr, hi && a.residual != nullptr, rs[i][k]);
     }
   }
@@ -815,7 +829,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_stream_kernel(const Fa
     for (int i = 0; i < R; ++i) {
 #pragma unroll
       for (int k = 0; k < K; ++k)
-        store_halves(a.residual_out, S, (r0 + i) * a.residual_out_stride + column(k),
+        store_halves(a.residual_out, S, at(a.residual_out_stride, i, k),
                      row_ok[i] && in_row(k, 0), row_ok[i] && in_row(k, 1), xs[i][k]);
     }
   }
@@ -827,7 +841,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_stream_kernel(const Fa
 #pragma unroll
       for (int e = 0; e < kSlice; ++e)
         f[e] = (xs[i][k][e] - mean[i]) * rstd[i] * w[k][e] + b[k][e];
-      store_halves(a.y, D, (r0 + i) * a.y_stride + column(k), row_ok[i] && in_row(k, 0),
+      store_halves(a.y, D, at(a.y_stride, i, k), row_ok[i] && in_row(k, 0),
                    row_ok[i] && in_row(k, 1), f);
     }
   }
@@ -1155,7 +1169,9 @@ auto fast_fwd_kernel(int slices) {
 // columns, 89.5 / 89.9 at 576, 91.3 / 91.9 at 640, 92.8 / 93.8 at 768; the gate after 104.4 /
 // 111.7, 88.6 / 92.3, 90.4 / 93.5, 92.8 / 94.9 (torch.compile 94.5 and 95.9 at 576 and 768 with
 // the gate first, 87.0 and 95.6 after). At two slices (448 columns) it held 72 / 90 against 70 /
-// 80: 93.5 / 93.8 with the gate first, 92.3 / 90.3 after, so there it stays fetched late.
+// 80: 93.5 / 93.8 with the gate first, 92.3 / 90.3 after, so there it stays fetched late. At
+// four (one H200) it is fetched early too, before x and z (norm_fwd_fast_kernel has the figures).
+// Early at four slices a lane, float32 weight: 82 registers with the gate first, 96 after.
 template <int kDt, int kRt, int kIn>
 auto gated_fwd_kernel(const NormArgs& a, int slices) {
   constexpr int F = int(Dtype::F32);
@@ -1184,19 +1200,26 @@ auto alone_kernel(const NormArgs& a, int slices) {
 }
 
 // norm_fwd_stream_kernel at `slices` slices a lane (1 to 4), its weight of dtype kWt.
-template <int kDt, int kWt>
+template <int kDt, int kWt, bool kNarrow>
 auto stream_kernel(const NormArgs& a, int slices) {
   const bool L = a.layer_norm;
   if (slices == 2)
-    return L ? norm_fwd_stream_kernel<kDt, true, kWt, 2>
-             : norm_fwd_stream_kernel<kDt, false, kWt, 2>;
+    return L ? norm_fwd_stream_kernel<kDt, true, kWt, 2, kNarrow>
+             : norm_fwd_stream_kernel<kDt, false, kWt, 2, kNarrow>;
   if (slices == 3)
-    return L ? norm_fwd_stream_kernel<kDt, true, kWt, 3>
-             : norm_fwd_stream_kernel<kDt, false, kWt, 3>;
+    return L ? norm_fwd_stream_kernel<kDt, true, kWt, 3, kNarrow>
+             : norm_fwd_stream_kernel<kDt, false, kWt, 3, kNarrow>;
   if (slices == 4)
-    return L ? norm_fwd_stream_kernel<kDt, true, kWt, 4>
-             : norm_fwd_stream_kernel<kDt, false, kWt, 4>;
-  return L ? norm_fwd_stream_kernel<kDt, true, kWt, 1> : norm_fwd_stream_kernel<kDt, false, kWt, 1>;
+    return L ? norm_fwd_stream_kernel<kDt, true, kWt, 4, kNarrow>
+             : norm_fwd_stream_kernel<kDt, false, kWt, 4, kNarrow>;
+  return L ? norm_fwd_stream_kernel<kDt, true, kWt, 1, kNarrow>
+           : norm_fwd_stream_kernel<kDt, false, kWt, 1, kNarrow>;
+}
+
+template <int kDt, int kWt>
+auto stream_kernel(const NormArgs& a, int slices) {
+  return offsets_fit_32(a) ? stream_kernel<kDt, kWt, true>(a, slices)
+                           : stream_kernel<kDt, kWt, false>(a, slices);
 }
 
 template <int kDt, int kRt>
