@@ -397,20 +397,23 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   // -> 85.6-86.1 (H200), level on the H100; level at 256 on both. In the residual kernel it moved
   // nothing (-0.9 to +0.7), and the norm alone lost 5-9 points. Fetched after x and z, the weight
   // waited behind the first use of z (ptxas scheduled the gate's sigmoid, which stalls on z's
-  // arrival, ahead of the weight's loads); fetched before them, one H200, bf16 x and z, float32
-  // weight, 32768 rows, warm, after / before (torch.compile): the gate first 84.3 / 85.8 at 256
-  // columns (82.6), 87.4 / 88.4 at 640 (88.8), 90.2 / 92.0 at 768 (94.7-95.1), 93.1 / 94.4 at 1024
-  // (95.5), but 91.6 / 89.8 at 896 (93.5); the gate after 91.0 / 93.3 at 768, 87.3 / 93.1 at 896,
-  // 92.2 / 94.9 at 1024; RMSNorm + residual level (95.0 / 95.3 at 1024). At two slices a lane
+  // arrival, ahead of the weight's loads). One H200, bf16 x and z, float32 weight, 32768 rows,
+  // warm, the weight fetched after / before x and z (torch.compile): the gate first 84.3 / 85.8 at
+  // 256 columns (82.6), 87.4 / 88.4 at 640 (88.8), 90.2 / 92.0 at 768 (94.7-95.1), 93.1 / 94.4 at
+  // 1024 (95.5), but 91.6 / 89.8 at 896 (93.5); the gate after 91.0 / 93.3 at 768, 87.3 / 93.1 at
+  // 896, 92.2 / 94.9 at 1024; RMSNorm + residual level (95.0 / 95.3 at 1024). At two slices a lane
   // (512 columns) the plain gated call lost with the weight early (87.3 -> 86.0).
   constexpr bool kEarly = kPrenorm || (kGate && K == 1) || (kPlainGated && K >= 3);
-  const Dtype wt = kWt >= 0 ? Dtype(kWt) : a.weight_dtype;
+  // wt is read below, after the fetches, as before this fetch moved first: read here, it changed
+  // the machine code of the kernels that fetch no weight early.
+  auto weight_dtype = [&] { return kWt >= 0 ? Dtype(kWt) : a.weight_dtype; };
   Slice we[K], be[K];
   if constexpr (kEarly) {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       if (!valid[k]) continue;
-      if (kFixed || a.weight != nullptr) fetch_slice(a.weight, wt, col[k], kSlice, true, we[k]);
+      if (kFixed || a.weight != nullptr)
+        fetch_slice(a.weight, weight_dtype(), col[k], kSlice, true, we[k]);
       if (!kFixed && a.bias != nullptr)
         fetch_slice(a.bias, a.bias_dtype, col[k], kSlice, true, be[k]);
     }
@@ -449,6 +452,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
                        unsigned(a.group_size * bytes));
     }
   }
+  const Dtype wt = weight_dtype();
   // s = x + residual in float32. The norm alone keeps x packed and widens it again in each pass
   // (half the registers), and so does a float32 stream beside 16-bit x; the others form s once
   // into vs, in as many registers as the packed x and residual it replaces, so each later pass
