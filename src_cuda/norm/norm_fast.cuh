@@ -617,6 +617,17 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   }
 }
 
+// Each of R sums totalled over the warp, every lane getting the same bits (the whole-warp
+// kernels below).
+template <int R>
+__device__ __forceinline__ void warp_sums(float (&sums)[R]) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) sums[i] += __shfl_xor_sync(0xffffffffu, sums[i], o);
+  }
+}
+
 // The norm alone of 16-bit rows in whole-warp segments at K slices a lane (up to 32 K slices, 256
 // K columns, a group; lean_fwd_slices in norm_cuda.cu picks K), its weight (and bias, if any) of
 // dtype kWt: the lean forward's plan for it (kAloneFwdRows rows a lane, blocks of lean_fwd_block,
@@ -671,11 +682,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_alone_kernel(const Fas
   // slice's zeros add nothing to the plain sums; `centred` sums leave them out.
   auto row_sums = [&](bool centred, auto term) {
     lane_row_sums<R, K>(sums, value, term, [&](int k) { return !centred || valid(k); });
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-      for (int i = 0; i < R; ++i) sums[i] += __shfl_xor_sync(0xffffffffu, sums[i], o);
-    }
+    warp_sums(sums);
   };
   row_sums(false, [](float t, float v, int, int) { return kLayer ? t + v : fmaf(v, v, t); });
 #pragma unroll
@@ -793,11 +800,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_stream_kernel(const Fa
         f[e] = centred && !in_row(k, e / 4) ? mean[i] : xs[i][k][e];
     };
     lane_row_sums<R, K>(sums, value, term, [](int) { return true; });
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-      for (int i = 0; i < R; ++i) sums[i] += __shfl_xor_sync(0xffffffffu, sums[i], o);
-    }
+    warp_sums(sums);
   };
   row_sums(false, [](float t, float v, int, int) { return kLayer ? t + v : fmaf(v, v, t); });
 #pragma unroll
