@@ -426,6 +426,32 @@ def test_float32_stream_offsets_past_32_bits(hidden, seed):
     forward_on_gpu_and_cpu(case, inputs, residual_dtype=torch.float32)
 
 
+# x's rows stored last to first and handed over with a negative row stride (DLPack allows it for
+# inputs; torch cannot make one): norm_fwd_stream_kernel then computes its offsets in 64 bits
+# (offsets_fit_32, norm_plan.h), whose 32-bit arithmetic would wrap them.
+@pytest.mark.parametrize("hidden", [256, 1024])
+def test_float32_stream_negative_row_stride(hidden, seed):
+    case = LAYER.replace(hidden=hidden, residual=True, prenorm=True, lead=(5,))
+    inputs = make_norm_inputs(case, torch.bfloat16, seed, device="cuda",
+                              dtypes={"weight": torch.float32, "bias": torch.float32,
+                                      "residual": torch.float32})
+    x = inputs["x"]
+    stored = x.flip(0).contiguous()  # row r of x is row rows - 1 - r here
+    api = NormCApi()
+    dl_x = api.dltensor(x, data=stored[-1].data_ptr())
+    api.ffi.cast("DLTensor *", dl_x).strides[0] = -hidden
+    y, residual_out = poisoned_like(x), poisoned_like(inputs["residual"])
+    mean = torch.full((case.rows,), float("nan"), device="cuda")
+    rstd = mean.clone()
+    dl = {n: api.dltensor(inputs[n]) for n in ("residual", "weight", "bias")}
+    api.check(api.lib.ssm_norm_fwd(api.params(case), dl_x, dl["residual"], dl["weight"],
+                                   dl["bias"], 0, api.dltensor(y), api.dltensor(residual_out),
+                                   api.dltensor(mean), api.dltensor(rstd), api.stream_of(x)))
+    torch.cuda.synchronize()
+    fwd = libssm.NormForward(y.cpu(), residual_out.cpu(), mean.cpu(), rstd.cpu())
+    check_forward(case, to_cpu(inputs), fwd, residual_dtype=torch.float32)
+
+
 # The plain gated call (plain_gated_call, norm_plan.h: no residual, a weight of float32 or x's
 # dtype, no bias, not zero-centred) takes lean kernels with those options compiled out: one slice a
 # lane (200 columns), two (456: 57 slices, lanes 25-31 holding one), three (328: 41 slices in 16

@@ -130,15 +130,16 @@ inline bool stream_kernel_takes(const NormArgs& a, const NormPlan& p, FastFwdInp
   return inputs == kFwdResidual && d != Dtype::F32 && stream == Dtype::F32 && p.threads == 32 &&
          (slices > 1 || p.nslices == 32) && lean_weight_takes(a, d);
 }
-// Whether every element offset into the call's row-shaped tensors fits 32 bits: their last row
-// ends within INT_MAX elements of their start (norm_fwd_stream_kernel's kNarrow). One H200, % of
-// copy, direct timing, bf16 x beside a float32 stream and weight, 32768 rows, warm, offsets in 64
-// / 32 bits: LayerNorm 83.9 / 84.5 at 256 columns, 87.4 / 88.8 at 384, 90.9 / 92.0 at 512, 94.2 /
-// 94.2 at 768, 95.0 / 95.7 at 1024; RMSNorm 84.0 / 84.7 at 256, 90.5 / 91.7 at 512, 95.9 / 96.2
-// at 1024.
+// Whether every element offset into the call's row-shaped tensors fits 32 bits: their rows run
+// forward (inputs may have a negative row stride; the kernel's unsigned arithmetic would wrap it)
+// and their last row ends within INT_MAX elements of their start (norm_fwd_stream_kernel's
+// kNarrow). One H200, % of copy, direct timing, bf16 x beside a float32 stream and weight, 32768
+// rows, warm, offsets in 64 / 32 bits: LayerNorm 83.9 / 84.5 at 256 columns, 87.4 / 88.8 at 384,
+// 90.9 / 92.0 at 512, 94.2 / 94.2 at 768, 95.0 / 95.7 at 1024; RMSNorm 84.0 / 84.7 at 256, 90.5 /
+// 91.7 at 512, 95.9 / 96.2 at 1024.
 inline bool offsets_fit_32(const NormArgs& a) {
   auto fits = [&](const TensorRef& t) {
-    return !t.present() || (a.rows - 1) * t.stride[0] + a.hidden <= INT32_MAX;
+    return !t.present() || (t.stride[0] >= 0 && (a.rows - 1) * t.stride[0] + a.hidden <= INT32_MAX);
   };
   return fits(a.x) && fits(a.residual) && fits(a.residual_out) && fits(a.y);
 }
