@@ -404,20 +404,28 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   // 896, 92.2 / 94.9 at 1024; RMSNorm + residual level (95.0 / 95.3 at 1024). At two slices a lane
   // (512 columns) the plain gated call lost with the weight early (87.3 -> 86.0).
   constexpr bool kEarly = kPrenorm || (kGate && K == 1) || (kPlainGated && K >= 3);
+  // With the gate first at four slices a lane, the weight's last slice waits until x and z are
+  // issued: it is idle in the lanes past the segment's end below 1024 columns, and fetched first
+  // it held back the loads of x and z. Same H200 and rows, all first / the last after (compile):
+  // 82.3 / 85.7 at 776 columns (88.7), 85.9 / 89.5 at 832 (90.0), 89.8 / 92.4 at 896 (93.4),
+  // 92.0 / 93.1 at 960 (94.6), 94.4 / 94.8 at 1024 (95.7). The gate after lost with it (93.6 /
+  // 86.7 at 896) and fetches all four first.
+  constexpr bool kLastAfter = kPlainGated && kGateFirst && K == 4;
   // wt is read below, after the fetches, as before this fetch moved first: read here, it changed
   // the machine code of the kernels that fetch no weight early.
   auto weight_dtype = [&] { return kWt >= 0 ? Dtype(kWt) : a.weight_dtype; };
   Slice we[K], be[K];
-  if constexpr (kEarly) {
+  auto fetch_weight = [&](int k0, int k1) {
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
+    for (int k = k0; k < k1; ++k) {
       if (!valid[k]) continue;
       if (kFixed || a.weight != nullptr)
         fetch_slice(a.weight, weight_dtype(), col[k], kSlice, true, we[k]);
       if (!kFixed && a.bias != nullptr)
         fetch_slice(a.bias, a.bias_dtype, col[k], kSlice, true, be[k]);
     }
-  }
+  };
+  if constexpr (kEarly) fetch_weight(0, kLastAfter ? K - 1 : K);
   // x, residual and z as loaded (16-bit ones packed): every load is issued before any is used.
   const LoadHint load_hint = D != Dtype::F32 && a.no_l1 ? LoadHint::kNoL1 : LoadHint::kCached;
   Slice xs[R][K], rs[R][K], zs[R][K];
@@ -452,6 +460,7 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
                        unsigned(a.group_size * bytes));
     }
   }
+  if constexpr (kLastAfter) fetch_weight(K - 1, K);
   const Dtype wt = weight_dtype();
   // s = x + residual in float32. The norm alone keeps x packed and widens it again in each pass
   // (half the registers), and so does a float32 stream beside 16-bit x; the others form s once
