@@ -387,8 +387,8 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   for (int i = 0; i < R; ++i) row_ok[i] = r0 + i < a.rows;
   auto ok = [&](int i, int k) { return row_ok[i] && valid[k]; };
 
-  // With a gate at one slice a lane, in the plain gated kernels at three and four and in the
-  // prenorm kernel, the weight (and bias) are fetched first, raw, so their latency overlaps that of
+  // With a gate at one slice a lane, in the plain gated kernels from two and in the prenorm
+  // kernel, the weight (and bias) are fetched first, raw, so their latency overlaps that of
   // x instead of following the reductions (the other gated kernels at two or three slices a lane
   // held 83-132 registers with them, against 72-80). % of copy, direct timing: gated rows of 256
   // columns 80.7 -> 82.5-82.9 (one H100). RMSNorm + residual (bf16, float32 weight) at four slices
@@ -402,15 +402,18 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   // 256 columns (82.6), 87.4 / 88.4 at 640 (88.8), 90.2 / 92.0 at 768 (94.7-95.1), 93.1 / 94.4 at
   // 1024 (95.5), but 91.6 / 89.8 at 896 (93.5); the gate after 91.0 / 93.3 at 768, 87.3 / 93.1 at
   // 896, 92.2 / 94.9 at 1024; RMSNorm + residual level (95.0 / 95.3 at 1024). At two slices a lane
-  // (512 columns) the plain gated call lost with the weight early (87.3 -> 86.0).
-  constexpr bool kEarly = kPrenorm || (kGate && K == 1) || (kPlainGated && K >= 3);
-  // With the gate first at four slices a lane, the weight's last slice waits until x and z are
-  // issued: it is idle in the lanes past the segment's end below 1024 columns, and fetched first
-  // it held back the loads of x and z. Same H200 and rows, all first / the last after (compile):
-  // 82.3 / 85.7 at 776 columns (88.7), 85.9 / 89.5 at 832 (90.0), 89.8 / 92.4 at 896 (93.4),
-  // 92.0 / 93.1 at 960 (94.6), 94.4 / 94.8 at 1024 (95.7). The gate after lost with it (93.6 /
-  // 86.7 at 896) and fetches all four first.
-  constexpr bool kLastAfter = kPlainGated && kGateFirst && K == 4;
+  // (512 columns) the plain gated call lost with the weight fetched early after x and z (87.3 ->
+  // 86.0); fetched first it is level with the gate first and gains with the gate after.
+  constexpr bool kEarly = kPrenorm || (kGate && K == 1) || (kPlainGated && K >= 2);
+  // With the gate first at two and four slices a lane, the plain gated kernels fetch the weight's
+  // last slice after x and z are issued: fetched first it held back their loads (at four that
+  // slice idles in the lanes past the segment's end below 1024 columns). Same H200 and rows, all
+  // late / all first / the last after (compile): the gate first 88.2 / 88.1 / 88.5 at 512 columns
+  // (88.9), the gate after 85.7 / 87.5 / 87.2 (80.3); at four, all first / the last after, the
+  // gate first 82.3 / 85.7 at 776 columns (88.7), 85.9 / 89.5 at 832 (90.0), 89.8 / 92.4 at 896
+  // (93.4), 92.0 / 93.1 at 960 (94.6), 94.4 / 94.8 at 1024 (95.7), the gate after 93.6 / 86.7 at
+  // 896. At three the last after lost 1.1-1.4 at 768 with either order.
+  constexpr bool kLastAfter = kPlainGated && kGateFirst && (K == 2 || K == 4);
   // wt is read below, after the fetches, as before this fetch moved first: read here, it changed
   // the machine code of the kernels that fetch no weight early.
   auto weight_dtype = [&] { return kWt >= 0 ? Dtype(kWt) : a.weight_dtype; };
