@@ -412,8 +412,11 @@ __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_fast_kernel(const Fast
   // (88.9), the gate after 85.7 / 87.5 / 87.2 (80.3); at four, all first / the last after, the
   // gate first 82.3 / 85.7 at 776 columns (88.7), 85.9 / 89.5 at 832 (90.0), 89.8 / 92.4 at 896
   // (93.4), 92.0 / 93.1 at 960 (94.6), 94.4 / 94.8 at 1024 (95.7), the gate after 93.6 / 86.7 at
-  // 896. At three the last after lost 1.1-1.4 at 768 with either order.
-  constexpr bool kLastAfter = kPlainGated && kGateFirst && (K == 2 || K == 4);
+  // 896. At three the last after lost 1.1-1.4 at 768 with either order. The prenorm kernel at two
+  // slices a lane does the same: RMSNorm + residual, all first / the last after (compile),
+  // 87.8-88.0 / 88.4-88.7 at 512 columns (90.3), 89.5-89.7 / 89.6-90.1 at 384 (88.0), level at 448.
+  constexpr bool kLastAfter =
+      (kPrenorm && K == 2) || (kPlainGated && kGateFirst && (K == 2 || K == 4));
   // wt is read below, after the fetches, as before this fetch moved first: read here, it changed
   // the machine code of the kernels that fetch no weight early.
   auto weight_dtype = [&] { return kWt >= 0 ? Dtype(kWt) : a.weight_dtype; };
