@@ -707,7 +707,7 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
     const LeanFwdFetch fetch = lean_fwd_fetch(a, inputs, lean_slices, device);
     p.block = lean_fwd_block(a, p, inputs, Dtype(lean.dt), Dtype(lean.rt), lean_slices);
     const int rows =
-        alone_kernel_takes(a, p, inputs, Dtype(lean.dt)) ? kAloneFwdRows
+        alone_kernel_takes(a, p, inputs, Dtype(lean.dt)) ? alone_fwd_rows(lean_slices, a.layer_norm)
         : stream_kernel_takes(a, p, inputs, Dtype(lean.dt), Dtype(lean.rt), lean_slices)
             ? stream_fwd_rows(lean_slices)
             : fast_fwd_rows(inputs, lean_slices, lean.dt);

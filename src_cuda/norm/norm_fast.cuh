@@ -645,7 +645,7 @@ __device__ __forceinline__ void warp_sums(float (&sums)[R]) {
 
 // The norm alone of 16-bit rows in whole-warp segments at K slices a lane (up to 32 K slices, 256
 // K columns, a group; lean_fwd_slices in norm_cuda.cu picks K), its weight (and bias, if any) of
-// dtype kWt: the lean forward's plan for it (kAloneFwdRows rows a lane, blocks of lean_fwd_block,
+// dtype kWt: the lean forward's plan for it (alone_fwd_rows rows a lane, blocks of lean_fwd_block,
 // the fetch plan past the L2, the statistics, y not in L1) with nothing decided at run time but
 // the bias, the zero-centred weight, the statistics and the fetch plan. At one slice a lane
 // norm_fwd_fast_kernel holds 48 registers (10 CTAs an SM), this one 40 (12). One H200, % of
@@ -653,7 +653,7 @@ __device__ __forceinline__ void warp_sums(float (&sums)[R]) {
 // the library, norm_fwd_fast_kernel / here: RMSNorm alone at 256 columns 95.8-97.5 /
 // 108.9-110.2 (114.3 in the same plan written standalone at 40 registers), LayerNorm alone
 // 80.8-81.8 / 91.7-92.6; at 392, 1016 (two, four slices; at four one row a lane then, two since:
-// kAloneFwdRows) RMSNorm 86.4-87.4 / 91.1-92.2, 83.8 / 85.6-85.8, LayerNorm 68.1-68.5 / 82.5-83.0,
+// alone_fwd_rows) RMSNorm 86.4-87.4 / 91.1-92.2, 83.8 / 85.6-85.8, LayerNorm 68.1-68.5 / 82.5-83.0,
 // 78.5 / 82.0-82.2. norm_fwd_fast_kernel held to 40 by launch bounds spilled 20-28 bytes and fell
 // to 82.7-84.2. Forming the output four columns at a time (the weight loaded for each row) held
 // LayerNorm to 40 registers at one slice but lost 15 points there.
@@ -661,7 +661,7 @@ template <int kDt, bool kLayer, int kWt, int K>
 __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_alone_kernel(const FastFwdArgs a) {
   using namespace norm_detail;
   constexpr Dtype D = Dtype(kDt), W = Dtype(kWt);
-  constexpr int R = kAloneFwdRows;
+  constexpr int R = alone_fwd_rows(K, kLayer);
   const int lane = threadIdx.x & 31;
   const int64_t r0 = (int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
   const int64_t col0 = int64_t(blockIdx.y) * a.group_size + lane * kSlice;

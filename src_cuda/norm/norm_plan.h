@@ -98,13 +98,22 @@ __host__ __device__ constexpr int fast_fwd_rows(FastFwdInputs inputs, int slices
   if (slices >= 3) return 1;
   return inputs == kFwdPrenorm && slices == 1 && Dtype(dt) != Dtype::F32 ? 4 : 2;
 }
-// norm_fwd_alone_kernel (norm_fast.cuh) takes two rows a lane at every slice count. At three and
-// four slices a lane, one row / two (44-64 / 76-112 registers, no spills), one H200, % of copy, C
-// harness, bf16, float32 weight, warm on 32768 rows: RMSNorm 88.1-88.2 / 89.1-89.5 at 768
-// columns, 85.6-85.8 / 84.8-85.2 at 1016; LayerNorm 83.7-83.8 / 85.8-86.2, 82.0-82.2 /
-// 82.2-82.6; past the L2 (65536 rows) RMSNorm 89.8-89.9 / 91.1-91.3, 89.0 / 89.0-89.2, LayerNorm
-// 86.0-86.1 / 88.4-88.6, 86.6 / 87.5-87.6.
-constexpr int kAloneFwdRows = 2;
+// norm_fwd_alone_kernel (norm_fast.cuh) takes two rows a lane, but four for a LayerNorm at one
+// slice a lane. At three and four slices a lane, one row / two (44-64 / 76-112 registers, no
+// spills), one H200, % of copy, C harness, bf16, float32 weight, warm on 32768 rows: RMSNorm
+// 88.1-88.2 / 89.1-89.5 at 768 columns, 85.6-85.8 / 84.8-85.2 at 1016; LayerNorm 83.7-83.8 /
+// 85.8-86.2, 82.0-82.2 / 82.2-82.6; past the L2 (65536 rows) RMSNorm 89.8-89.9 / 91.1-91.3, 89.0 /
+// 89.0-89.2, LayerNorm 86.0-86.1 / 88.4-88.6, 86.6 / 87.5-87.6. At one slice a lane, one row /
+// two / four (RMSNorm 30 / 40 / 59 registers, LayerNorm 39 / 47 / 64), direct timing, warm:
+// RMSNorm 95.0-96.2 / 107.8-108.9 / 97.6-102.3 at 256 columns, 91.2-92.3 / 101.5-102.0 /
+// 97.2-97.4 at 248; LayerNorm 72.0-72.7 / 88.6-89.5 / 98.1-98.5 at 256 (torch.compile 90.3-90.9),
+// 69.0-69.8 / 82.7-82.8 / 89.0-89.2 at 248, 58.4-58.8 / 69.5-70.0 / 75.6-75.8 at 200 (77.2-77.7).
+// The LayerNorm's second reduction, over the deviations from the mean, waits on the first: more
+// rows a lane keep more of x in flight across it. Held to 40 registers by launch bounds (12
+// CTAs an SM), the LayerNorm at two rows spilled 28-36 bytes and fell to 73.2-76.4 at 256.
+__host__ __device__ constexpr int alone_fwd_rows(int slices, bool layer_norm) {
+  return layer_norm && slices == 1 ? 4 : 2;
+}
 // Whether the weight and bias of a call on 16-bit rows of dtype d are those norm_fwd_alone_kernel
 // and norm_fwd_stream_kernel take: a weight of x's dtype or float32, a bias of the weight's dtype
 // with a LayerNorm only.
