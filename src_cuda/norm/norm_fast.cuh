@@ -647,8 +647,9 @@ __device__ __forceinline__ void warp_sums(float (&sums)[R]) {
 // K columns, a group; lean_fwd_slices in norm_cuda.cu picks K), its weight (and bias, if any) of
 // dtype kWt: the lean forward's plan for it (alone_fwd_rows rows a lane, blocks of lean_fwd_block,
 // the fetch plan past the L2, the statistics, y not in L1) with nothing decided at run time but
-// the bias, the zero-centred weight, the statistics and the fetch plan. At one slice a lane
-// norm_fwd_fast_kernel holds 48 registers (10 CTAs an SM), this one 40 (12). One H200, % of
+// the bias, the zero-centred weight, the statistics and the fetch plan. At one slice a lane and two
+// rows norm_fwd_fast_kernel holds 48 registers (10 CTAs an SM), this one 40 (12; a LayerNorm
+// takes four rows a lane there since, in 64 registers: alone_fwd_rows). One H200, % of
 // copy, bf16 rows, float32 weight, warm (back to back) on 32768 rows, from a C harness calling
 // the library, norm_fwd_fast_kernel / here: RMSNorm alone at 256 columns 95.8-97.5 /
 // 108.9-110.2 (114.3 in the same plan written standalone at 40 registers), LayerNorm alone
