@@ -209,8 +209,10 @@ NORM_CASES = [
     (7, 256, 0, "rms", torch.float16, torch.float32, False, True, 0, None),
     (5, 256, 64, "rms", torch.float32, torch.float32, True, False, 0, torch.float32),
     # Two slices a lane beside a residual of x's dtype: 49 slices (17 lanes holding a second), an
-    # odd row count; two groups of 64 slices.
+    # odd row count, two rows a lane (a LayerNorm) and one (the prenorm kernel's RMSNorm); two
+    # groups of 64 slices.
     (37, 392, 0, "layer", torch.bfloat16, torch.bfloat16, False, True, 0, torch.bfloat16),
+    (37, 392, 0, "rms", torch.bfloat16, torch.float32, False, False, 0, torch.bfloat16),
     (9, 1024, 512, "rms", torch.float16, torch.float32, False, True, 0, torch.float16),
     # The staged forward with a gate on groups of 33 slices (16 threads a segment).
     (9, 2112, 264, "rms", torch.bfloat16, torch.float32, True, False, 0, torch.bfloat16),
@@ -309,7 +311,7 @@ NORM_STREAM_CASES = [
     (21, 512, "layer", torch.bfloat16, True),
     (11, 768, "rms", torch.bfloat16, True),
     # norm_fwd_stream_kernel (a bias only with LayerNorm): one slice a lane in blocks of two
-    # warps; RMSNorm without a bias at one slice and at four with the last slice's halves past
+    # warps, three rows a lane, the last block short; RMSNorm without a bias at one slice and at four with the last slice's halves past
     # the row in some lanes (127 slices).
     (257, 256, "layer", torch.bfloat16, True),
     (257, 256, "rms", torch.bfloat16, True, False),

@@ -709,7 +709,7 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
     const int rows =
         alone_kernel_takes(a, p, inputs, Dtype(lean.dt)) ? alone_fwd_rows(lean_slices, a.layer_norm)
         : stream_kernel_takes(a, p, inputs, Dtype(lean.dt), Dtype(lean.rt), lean_slices)
-            ? stream_fwd_rows(lean_slices)
+            ? stream_fwd_rows(lean_slices, a.layer_norm)
             : fast_fwd_rows(inputs, lean_slices, lean.dt);
     p.row_blocks = ceil_div(a.rows, int64_t(p.block / p.threads) * rows);
     if (p.row_blocks <= INT_MAX)

@@ -796,7 +796,7 @@ template <int kDt, bool kLayer, int kWt, int K, bool kNarrow>
 __global__ void __launch_bounds__(kFastFwdBlock) norm_fwd_stream_kernel(const FastFwdArgs a) {
   using namespace norm_detail;
   constexpr Dtype D = Dtype(kDt), W = Dtype(kWt), S = Dtype::F32;
-  constexpr int R = stream_fwd_rows(K);
+  constexpr int R = stream_fwd_rows(K, kLayer);
   const int lane = threadIdx.x & 31;
   const int64_t r0 = (int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
   const int64_t col0 = int64_t(blockIdx.y) * a.group_size + 4 * lane;

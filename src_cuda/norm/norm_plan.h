@@ -85,18 +85,23 @@ constexpr int kFastFwdSlices = 32, kFastFwdBlock = 128;
 // decides).
 enum FastFwdInputs { kFwdAlone, kFwdResidual, kFwdGateFirst, kFwdGateAfter, kFwdPrenorm };
 // Rows a lane takes at once: four in the prenorm kernel for 16-bit rows at one slice a lane (60
-// registers), one at three or four slices a lane (lean_fwd_slices in norm_cuda.cu has three's
-// measurements against two rows), two elsewhere. One H100, % of copy, direct timing,
-// RMSNorm + residual (bf16) at 256 columns, two rows / four: 83.2-83.7 / 84.6-85.5 (384 columns,
-// two slices a lane: 87.4-88.0 / 86.9-87.4); in the residual kernel four rows (72-80 registers)
-// lost 0-1 point at 128-512 columns, and so did float32 rows in the prenorm kernel (79
+// registers) and one at two (48-52), one at three or four slices a lane (lean_fwd_slices in
+// norm_cuda.cu has three's measurements against two rows), two elsewhere. One H100, % of copy,
+// direct timing, RMSNorm + residual (bf16) at 256 columns, two rows / four: 83.2-83.7 / 84.6-85.5
+// (384 columns, two slices a lane: 87.4-88.0 / 86.9-87.4); in the residual kernel four rows (72-80
+// registers) lost 0-1 point at 128-512 columns, and so did float32 rows in the prenorm kernel (79
 // registers): 84.7 / 82.5-83.0 at 256. At four slices a lane, one row / two (110 registers): one
 // H200, 1024 columns, 91.1-91.2 / 91.2-91.3, 640 88.7-88.8 / 88.0-88.3. The norm alone at two
 // slices a lane, one row / two (H100, bf16): RMSNorm 74.7 / 77.9-78.2 at 320 columns, 76.4-77.1 /
-// 79.1-79.6 at 384; LayerNorm 60.8-61.3 / 68.3-68.4 and 67.8-67.9 / 73.5-73.7.
+// 79.1-79.6 at 384; LayerNorm 60.8-61.3 / 68.3-68.4 and 67.8-67.9 / 73.5-73.7. The prenorm kernel
+// at two slices a lane, two rows / one / three (70 / 48-52 / 92-98 registers), one H200, direct
+// timing, warm, bf16: 88.3-88.6 / 89.4-89.6 / 87.9-88.3 at 512 columns (torch.compile 90.6-90.7),
+// 86.3-86.6 / 87.4-87.6 / 85.7-86.1 at 448 (88.8-89.1), 89.1-89.4 / 89.7-89.8 / 87.9-88.5 at 384
+// (87.4-87.5), 84.9-85.2 / 84.2-84.6 / 82.7-83.4 at 264 (81.6).
 __host__ __device__ constexpr int fast_fwd_rows(FastFwdInputs inputs, int slices, int dt) {
   if (slices >= 3) return 1;
-  return inputs == kFwdPrenorm && slices == 1 && Dtype(dt) != Dtype::F32 ? 4 : 2;
+  if (inputs == kFwdPrenorm && Dtype(dt) != Dtype::F32) return slices == 1 ? 4 : 1;
+  return 2;
 }
 // norm_fwd_alone_kernel (norm_fast.cuh) takes two rows a lane, but four for a LayerNorm at one
 // slice a lane. At three and four slices a lane, one row / two (44-64 / 76-112 registers, no
@@ -157,8 +162,14 @@ inline bool offsets_fit_32(const NormArgs& a) {
 // alone): at 256 columns two rows / four (blocks of one warp) LayerNorm 83.9 / 83.4, 80.0 / 81.0,
 // RMSNorm 85.0 / 82.9, 82.5 / 78.9; a standalone LayerNorm of the kernel's plan at 512 and 768
 // columns, two rows / one, 92.5 / 90.6 and 94.9 / 92.5; at 1024 one row (64-128 registers;
-// torch.compile's kernel there holds 122).
-__host__ __device__ constexpr int stream_fwd_rows(int slices) { return slices < 4 ? 2 : 1; }
+// torch.compile's kernel there holds 122). A LayerNorm at one slice a lane takes three: one H200,
+// direct timing, warm, blocks of 64 (lean_fwd_block), two rows / three / four (54 / 64 / 72
+// registers): 84.4-84.6 / 85.0-85.2 / 83.5-84.0 at 256 columns (torch.compile 86.6-86.7),
+// 80.8 / 80.6-81.0 / 80.7 at 248, 77.3 / 77.2-77.4 / 77.3 at 200 (81.4-81.6).
+__host__ __device__ constexpr int stream_fwd_rows(int slices, bool layer_norm) {
+  if (layer_norm && slices == 1) return 3;
+  return slices < 4 ? 2 : 1;
+}
 // The lean forward's block (norm_fwd_cuda; its kernels take a segment's row from blockDim): one
 // warp where that measured faster, kFastFwdBlock threads elsewhere. A finer grid ends with a
 // shorter tail. One H200, % of copy, bf16, float32 weight, 32768 rows, blocks of 128 / 32:
