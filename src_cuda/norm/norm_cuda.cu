@@ -441,12 +441,12 @@ FastFwdInputs fast_fwd_inputs(const NormArgs& a, LeanDtypes d, int threads) {
 }
 
 // Whether `tensors` tensors of x's shape and dtype (the norm alone's x and y by default; the
-// prenorm call's x, residual, y and residual_out: 4) are more than the device's L2 holds: then
-// they do not stay there from one call to the next, and the norm alone's forwards fetch x ahead of
-// the rows they take.
-bool outgrows_l2(const NormArgs& a, int device, int tensors = 2) {
+// prenorm call's x, residual, y and residual_out: 4) are more than `l2s` times what the device's
+// L2 holds. Past one L2 they do not stay there from one call to the next, and the norm alone's
+// forwards fetch x ahead of the rows they take.
+bool outgrows_l2(const NormArgs& a, int device, int tensors = 2, int l2s = 1) {
   return tensors * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice) >
-         l2_cache_bytes(device);
+         int64_t(l2s) * l2_cache_bytes(device);
 }
 
 // How the lean forward fetches its inputs (norm_plan.h): x (and the residual) ahead into L2 for
@@ -480,8 +480,9 @@ bool outgrows_l2(const NormArgs& a, int device, int tensors = 2) {
 //
 // Past kFastDram (one H200), the prenorm call past the L2 (its four tensors) fetches x and the
 // residual kPrenormFarAheadBytes ahead where it loads them without allocating them in L1 (up to
-// kPrenormNoL1Slices slices) or caps its CTAs at kPrenormCtasPerSm an SM (past kPrenormCappedPast),
-// and between the two keeps the H100's plan; the plain gated call at three slices a lane neither
+// kPrenormNoL1Slices slices, and between the two within kPrenormBetweenL2s L2s of those tensors) or
+// caps its CTAs at kPrenormCtasPerSm an SM (past kPrenormCappedPast), and between the two past
+// kPrenormBetweenL2s L2s keeps the H100's plan; the plain gated call at three slices a lane neither
 // fetches ahead nor caps its CTAs. % of copy, direct timing, bf16, float32 weight, 32768 rows;
 // RMSNorm + residual, allocated / not, 1 MB ahead (torch.compile): 81.0 / 92.4-93.0 at 256 columns
 // (86.7), 82.2 / 87.8 at 320 (84.2), 84.6 / 85.8 at 384 (87.2), but 86.7 / 85.6 at 448, 87.4-87.7 /
@@ -499,22 +500,30 @@ bool outgrows_l2(const NormArgs& a, int device, int tensors = 2) {
 // 512 / allocated, 2 MB, 5 CTAs at 768 (compile): 65536 rows 89.0 / 91.1 at 384 (94.9), 94.0 / 92.8
 // at 512 (95.7), 96.5 / 97.6 at 768 (96.8); 131072 rows 92.3 / 94.5 (97.5), 96.9 / 95.1 (97.7),
 // 98.6 / 99.5 (99.2): so 49-64 slices keep the H100's plan, which on 32768 rows gave up 0.5-2.8
-// points. The plain gated call, 2 MB ahead and 5 CTAs an SM / neither: 83.6 / 83.9 at 576 columns
-// (82.6), 87.5 / 87.5-87.8 at 640 (88.5), 86.5 / 88.7 at 704 (92.5), 88.4-88.8 / 90.3-90.6 at 768
-// (95.0-95.5); the gate after 81.2 / 84.3 at 576 (74.8), 86.6 / 87.3 at 640 (80.3), 88.9-89.1 /
-// 90.6-90.7 at 768 (91.7). Neither the cap alone (83.3 at 768) nor fetching ahead alone (87.9) did
-// as well.
+// points. Since one row a lane there (fast_fwd_rows, norm_plan.h), the H100's plan / 2 MB ahead,
+// not in L1, one H200, direct timing: on 16384 rows 82.0-82.3 / 91.9-92.0 at 512 (compile
+// 83.7-83.8), level at 448 and 480 (within the L2); on 32768 rows 89.4-89.6 / 89.7-90.0 at 512,
+// 87.4-87.5 / 88.0-88.4 at 480, 87.4-87.6 / 89.5-89.7 at 448 (compile 90.6-90.7 at 512, 88.7-89.1
+// at 448); on 36864 rows 90.0-90.1 / 89.7-89.8, 88.2-88.4 / 87.8-88.2, 88.6-88.8 / 89.7-89.9; on
+// 65536 rows (past three L2s) 94.7-94.9 / 93.1-93.2 at 512, where nothing ahead gave 94.1-94.2, 0.5
+// MB 94.3 and 2 MB ahead capped at 5 CTAs 95.2-95.4 (compile 95.2-95.3). The plain gated call, 2 MB
+// ahead and 5 CTAs an SM / neither: 83.6 / 83.9 at 576 columns (82.6), 87.5 / 87.5-87.8 at 640
+// (88.5), 86.5 / 88.7 at 704 (92.5), 88.4-88.8 / 90.3-90.6 at 768 (95.0-95.5); the gate after 81.2
+// / 84.3 at 576 (74.8), 86.6 / 87.3 at 640 (80.3), 88.9-89.1 / 90.6-90.7 at 768 (91.7). Neither the
+// cap alone (83.3 at 768) nor fetching ahead alone (87.9) did as well.
 constexpr int64_t kPrenormFarAheadBytes = int64_t(2) << 20;
 constexpr int kPrenormNoL1Slices = 48, kPrenormCappedPast = 64, kPrenormCtasPerSm = 5;
+constexpr int kPrenormBetweenL2s = 3;
 LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int slices, int device) {
   LeanFwdFetch f;
   if (inputs == kFwdPrenorm) {
     f.ahead_bytes = kPrenormAheadBytes;
     const int n = slices_of(a);
+    const bool between = n > kPrenormNoL1Slices && n <= kPrenormCappedPast;
     if (fast_dram(device) && outgrows_l2(a, device, 4) &&
-        (n <= kPrenormNoL1Slices || n > kPrenormCappedPast)) {
+        (!between || !outgrows_l2(a, device, 4, kPrenormBetweenL2s))) {
       f.ahead_bytes = kPrenormFarAheadBytes;
-      f.no_l1 = n <= kPrenormNoL1Slices;
+      f.no_l1 = n <= kPrenormCappedPast;
       f.ctas_per_sm = n > kPrenormCappedPast ? kPrenormCtasPerSm : 0;
     }
   }
