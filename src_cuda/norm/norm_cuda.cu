@@ -502,15 +502,15 @@ bool outgrows_l2(const NormArgs& a, int device, int tensors = 2, int l2s = 1) {
 // 98.6 / 99.5 (99.2): so 49-64 slices keep the H100's plan, which on 32768 rows gave up 0.5-2.8
 // points. Since one row a lane there (fast_fwd_rows, norm_plan.h), the H100's plan / 2 MB ahead,
 // not in L1, one H200, direct timing: on 16384 rows 82.0-82.3 / 91.9-92.0 at 512 (compile
-// 83.7-83.8), level at 448 and 480 (within the L2); on 32768 rows 89.4-89.6 / 89.7-90.0 at 512,
-// 87.4-87.5 / 88.0-88.4 at 480, 87.4-87.6 / 89.5-89.7 at 448 (compile 90.6-90.7 at 512, 88.7-89.1
-// at 448); on 36864 rows 90.0-90.1 / 89.7-89.8, 88.2-88.4 / 87.8-88.2, 88.6-88.8 / 89.7-89.9; on
-// 65536 rows (past three L2s) 94.7-94.9 / 93.1-93.2 at 512, where nothing ahead gave 94.1-94.2, 0.5
-// MB 94.3 and 2 MB ahead capped at 5 CTAs 95.2-95.4 (compile 95.2-95.3). The plain gated call, 2 MB
-// ahead and 5 CTAs an SM / neither: 83.6 / 83.9 at 576 columns (82.6), 87.5 / 87.5-87.8 at 640
-// (88.5), 86.5 / 88.7 at 704 (92.5), 88.4-88.8 / 90.3-90.6 at 768 (95.0-95.5); the gate after 81.2
-// / 84.3 at 576 (74.8), 86.6 / 87.3 at 640 (80.3), 88.9-89.1 / 90.6-90.7 at 768 (91.7). Neither the
-// cap alone (83.3 at 768) nor fetching ahead alone (87.9) did as well.
+// 83.7-83.8), level at 448 and 480; on 32768 rows 89.4-89.6 / 89.7-90.0 at 512, 87.4-87.5 /
+// 88.0-88.4 at 480, 87.4-87.6 / 89.5-89.7 at 448 (compile 90.6-90.7 at 512, 88.7-89.1 at 448); on
+// 36864 rows 90.0-90.1 / 89.7-89.8, 88.2-88.4 / 87.8-88.2, 88.6-88.8 / 89.7-89.9; on 65536 rows
+// (past three L2s) 94.7-94.9 / 93.1-93.2 at 512, where nothing ahead gave 94.1-94.2, 0.5 MB 94.3
+// and 2 MB ahead capped at 5 CTAs 95.2-95.4 (compile 95.2-95.3). The plain gated call, 2 MB ahead
+// and 5 CTAs an SM / neither: 83.6 / 83.9 at 576 columns (82.6), 87.5 / 87.5-87.8 at 640 (88.5),
+// 86.5 / 88.7 at 704 (92.5), 88.4-88.8 / 90.3-90.6 at 768 (95.0-95.5); the gate after 81.2 / 84.3
+// at 576 (74.8), 86.6 / 87.3 at 640 (80.3), 88.9-89.1 / 90.6-90.7 at 768 (91.7). Neither the cap
+// alone (83.3 at 768) nor fetching ahead alone (87.9) did as well.
 constexpr int64_t kPrenormFarAheadBytes = int64_t(2) << 20;
 constexpr int kPrenormNoL1Slices = 48, kPrenormCappedPast = 64, kPrenormCtasPerSm = 5;
 constexpr int kPrenormBetweenL2s = 3;
