@@ -409,15 +409,20 @@ def test_float32_stream_whole_warp_rows(case, dtype, weight, seed):
     forward_on_gpu_and_cpu(case.replace(lead=(5,)), strided, residual_dtype=torch.float32)
 
 
+def float32_stream_layer_norm(hidden, rows, seed):
+    """A prenorm LayerNorm of bf16 rows beside a float32 residual stream (float32 weight and
+    bias), the call norm_fwd_stream_kernel takes, and its inputs on the GPU."""
+    case = LAYER.replace(hidden=hidden, residual=True, prenorm=True, lead=(rows,))
+    dtypes = {"weight": torch.float32, "bias": torch.float32, "residual": torch.float32}
+    return case, make_norm_inputs(case, torch.bfloat16, seed, device="cuda", dtypes=dtypes)
+
+
 # Rows whose offsets pass 32 bits: norm_fwd_stream_kernel computes them in 64-bit arithmetic there
 # (offsets_fit_32, norm_plan.h), 32-bit elsewhere. x's three rows lie 2**30 + 256 elements apart
 # (a 4 GiB allocation, untouched but for them), the last one past INT32_MAX.
 @pytest.mark.parametrize("hidden", [256, 1024])
 def test_float32_stream_offsets_past_32_bits(hidden, seed):
-    case = LAYER.replace(hidden=hidden, residual=True, prenorm=True, lead=(3,))
-    inputs = make_norm_inputs(case, torch.bfloat16, seed, device="cuda",
-                              dtypes={"weight": torch.float32, "bias": torch.float32,
-                                      "residual": torch.float32})
+    case, inputs = float32_stream_layer_norm(hidden, 3, seed)
     stride = 2**30 + 256
     wide = torch.empty(2 * stride + hidden, dtype=torch.bfloat16, device="cuda")
     x = wide.as_strided((3, hidden), (stride, 1))
@@ -431,10 +436,7 @@ def test_float32_stream_offsets_past_32_bits(hidden, seed):
 # (offsets_fit_32, norm_plan.h), whose 32-bit arithmetic would wrap them.
 @pytest.mark.parametrize("hidden", [256, 1024])
 def test_float32_stream_negative_row_stride(hidden, seed):
-    case = LAYER.replace(hidden=hidden, residual=True, prenorm=True, lead=(5,))
-    inputs = make_norm_inputs(case, torch.bfloat16, seed, device="cuda",
-                              dtypes={"weight": torch.float32, "bias": torch.float32,
-                                      "residual": torch.float32})
+    case, inputs = float32_stream_layer_norm(hidden, 5, seed)
     x = inputs["x"]
     stored = x.flip(0).contiguous()  # row r of x is row rows - 1 - r here
     api = NormCApi()
