@@ -34,11 +34,11 @@ inline int column_sum_warps(int64_t rows) {
 // 4.00-4.01 at 8192; the gate after at 896 3.01-3.02 / 3.04-3.05, LayerNorm beside float32 at 1024
 // 3.40 / 3.43.
 constexpr int64_t kColumnSumWideColumns = 4096;
+__host__ __device__ inline bool column_sum_float4(int64_t columns, const float* partial) {
+  return columns % 4 == 0 && reinterpret_cast<uintptr_t>(partial) % 16 == 0;
+}
 __host__ __device__ inline int column_sum_block_columns(int64_t columns, const float* partial) {
-  return columns >= kColumnSumWideColumns && columns % 4 == 0 &&
-                 reinterpret_cast<uintptr_t>(partial) % 16 == 0
-             ? 128
-             : 32;
+  return columns >= kColumnSumWideColumns && column_sum_float4(columns, partial) ? 128 : 32;
 }
 
 // The totals of the columns of block blockIdx.x (column_sum_block_columns): each of the block's
@@ -51,8 +51,7 @@ __device__ __forceinline__ void column_totals(const float* partial, int64_t rows
                                               int64_t columns, Store store) {
   __shared__ float4 totals[kMaxColumnSumWarps][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const int per_lane =
-      columns % 4 == 0 && reinterpret_cast<uintptr_t>(partial) % 16 == 0 ? 4 : 1;
+  const int per_lane = column_sum_float4(columns, partial) ? 4 : 1;
   const int row_lanes = column_sum_block_columns(columns, partial) / per_lane;  // 32 or 8
   const int groups = 32 / row_lanes;
   const int64_t j = int64_t(blockIdx.x) * row_lanes * per_lane + (lane % row_lanes) * per_lane;
