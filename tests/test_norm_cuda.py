@@ -473,15 +473,18 @@ def test_plain_gated_rows(case, dtype, weight, seed):
     forward_on_gpu_and_cpu(case, weighted_inputs(case, dtype, weight, seed))
 
 
-# Up to twice the L2 the plain gated call loads x and z without allocating them in L1; past it
-# through L1, at two slices a lane up to 48 slices and, where the DRAM is not past 4 TB/s, at
-# three fetching them into L2 rows ahead with fewer CTAs an SM (lean_fwd_fetch, norm_cuda.cu):
-# rows just past that, at one slice a lane (256 columns), at two up to and beyond 48 slices (384,
-# 448; groups of 384 in 768) and at three (760).
+# Where x, z and y are about the L2's bytes (from 0.9 to 1.75 times them) the plain gated call
+# loads x and z without allocating them in L1, elsewhere through L1; past twice the L2, at two
+# slices a lane up to 48 slices and, where the DRAM is not past 4 TB/s, at three, it fetches them
+# into L2 rows ahead with fewer CTAs an SM (lean_fwd_fetch, norm_cuda.cu). Rows of 1.25 L2s and
+# just past two (the smaller tests take the rest), at one slice a lane (256 columns), at two up
+# to and beyond 48 slices (384, 448; groups of 384 in 768) and at three (760).
+@pytest.mark.parametrize("l2s", [1.25, 2])
 @pytest.mark.parametrize("before", [False, True])
 @pytest.mark.parametrize("hidden,group_size", [(256, 0), (384, 0), (448, 0), (768, 384), (760, 0)])
-def test_plain_gated_past_twice_the_l2(before, hidden, group_size, seed):
-    rows = 2 * torch.cuda.get_device_properties(0).L2_cache_size // (3 * 2 * hidden) + 101
+def test_plain_gated_by_l2_share(l2s, before, hidden, group_size, seed):
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    rows = int(l2s * l2) // (3 * 2 * hidden) + 101
     case = BASE.replace(hidden=hidden, group_size=group_size, z=True, norm_before_gate=before,
                         lead=(rows,))
     inputs = make_norm_inputs(case, torch.bfloat16, seed, device="cuda",

@@ -452,8 +452,18 @@ bool outgrows_l2(const NormArgs& a, int device, int tensors = 2, int l2s = 1) {
 // How the lean forward fetches its inputs (norm_plan.h): x (and the residual) ahead into L2 for
 // the prenorm kernel always, for the norm alone of 16-bit rows past the L2 (and x then not
 // allocated in L1: launch_norm_fwd_fast says what that bought). The plain gated call's x and z
-// not allocated in L1 where x, z and y together are at most twice the L2's bytes. One H100, % of
-// copy, direct timing, bf16 x and z, float32 weight, 32768 rows, allocated / not, the gate first:
+// not allocated in L1 where x, z and y together are more than kGatedNoL1From and at most
+// kGatedNoL1To times the L2's bytes. One H200 (60 MB of L2), % of copy, direct timing, bf16 x and
+// z, float32 weight, rows sized to those bytes, allocated / not, at 0.7 / 0.85 / 1.0 / 1.15 / 1.3 /
+// 1.6 / 1.9 times the L2: the gate first at 256 columns 105.1 / 84.7, 95.1 / 89.2, 87.6 / 93.6,
+// 87.7 / 95.6, 88.8 / 97.3, 89.8 / 93.7, 91.9 / 89.5; at 512 105.7 / 80.9, 93.1 / 86.1, 84.0 /
+// 91.0, 85.5 / 92.4, 86.5 / 95.0, 87.7 / 91.5, 90.1 / 84.9; at 768 103.0 / 83.1, 93.1 / 87.8, 86.5
+// / 91.3, 86.0 / 94.8, 87.6 / 95.6, 88.9 / 94.3, 91.1 / 88.8; at 1024 91.2 / 78.5, 83.8 / 83.8,
+// 80.5 / 87.3, 82.0 / 89.8, 83.8 / 92.5, 86.3 / 88.2, 88.9 / 83.0; the gate after at 768 101.8 /
+// 83.6, 91.4 / 88.9, 85.2 / 92.1, 86.3 / 95.0, 87.6 / 96.9, 90.0 / 93.2, 92.0 / 87.6 (512 alike).
+// Below the window the call's bytes stay in L2 from one call to the next only when they are
+// allocated in L1 (torch.compile at 768 columns on 8448 rows: 99.4, ours 81.1 / 101.7). One H100
+// (50 MB), the window's first measurements, 32768 rows, allocated / not, the gate first:
 // 96.8 / 103.9-104.2 at 256 columns, 86.0 / 104.2-104.5 at 320, 86.7-86.9 / 103.9-104.1 at 384,
 // 87.5-87.6 / 93.8-94.1 at 448 (torch.compile 87.4-87.9, 88.2, 88.1-88.2, 89.7-89.8); the gate
 // after: 93.2-93.7 / 104.5-104.6, 85.1 / 105.1-105.3, 87.2 / 104.5-104.8, 86.0-86.1 / 90.4-90.5;
@@ -514,6 +524,7 @@ bool outgrows_l2(const NormArgs& a, int device, int tensors = 2, int l2s = 1) {
 constexpr int64_t kPrenormFarAheadBytes = int64_t(2) << 20;
 constexpr int kPrenormNoL1Slices = 48, kPrenormCappedPast = 64, kPrenormCtasPerSm = 5;
 constexpr int kPrenormBetweenL2s = 3;
+constexpr double kGatedNoL1From = 0.9, kGatedNoL1To = 1.75;
 LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int slices, int device) {
   LeanFwdFetch f;
   if (inputs == kFwdPrenorm) {
@@ -532,9 +543,10 @@ LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int slices,
     f.no_l1 = true;
   }
   if (plain_gated_call(a)) {
-    f.no_l1 = 3 * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice) <=
-              2 * int64_t(l2_cache_bytes(device));
-    if (!f.no_l1 && ((slices == 3 && !fast_dram(device)) || (slices == 2 && slices_of(a) <= 48))) {
+    const double l2s = double(3 * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice)) /
+                       double(l2_cache_bytes(device));
+    f.no_l1 = l2s > kGatedNoL1From && l2s <= kGatedNoL1To;
+    if (l2s > 2 && ((slices == 3 && !fast_dram(device)) || (slices == 2 && slices_of(a) <= 48))) {
       f.ahead_bytes = kGatedAheadBytes;
       f.ctas_per_sm = slices == 3 ? kGatedCtasPerSm : 0;
     }

@@ -1309,7 +1309,7 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
     args.ahead_rows = std::max<int64_t>(fetch.ahead_bytes / row_bytes, 1);
   }
   // Loads not allocated in L1 (lean_fwd_fetch, norm_cuda.cu): the norm alone's x past the L2
-  // (fetched ahead there), the plain gated call's x and z up to twice the L2, the narrow prenorm
+  // (fetched ahead there), the plain gated call's x and z about the L2's size, the narrow prenorm
   // call's x and residual past the L2 on the H200 (lean_fwd_fetch has those measurements). The norm
   // alone, one H100, % of copy, direct timing, one process each (bf16, float32 weight, 32768 rows),
   // allocated / not: RMSNorm alone 80.0-80.2 / 98.1-98.7 at 448 columns, 81.6 / 91.5-92.8 at 512,
