@@ -461,8 +461,8 @@ bool outgrows_l2(const NormArgs& a, int device, int tensors = 2, int l2s = 1) {
 // / 91.3, 86.0 / 94.8, 87.6 / 95.6, 88.9 / 94.3, 91.1 / 88.8; at 1024 91.2 / 78.5, 83.8 / 83.8,
 // 80.5 / 87.3, 82.0 / 89.8, 83.8 / 92.5, 86.3 / 88.2, 88.9 / 83.0; the gate after at 768 101.8 /
 // 83.6, 91.4 / 88.9, 85.2 / 92.1, 86.3 / 95.0, 87.6 / 96.9, 90.0 / 93.2, 92.0 / 87.6 (512 alike).
-// Below the window the call's bytes stay in L2 from one call to the next only when they are
-// allocated in L1 (torch.compile at 768 columns on 8448 rows: 99.4, ours 81.1 / 101.7). One H100
+// Below the window, loaded through L1, the call's bytes stayed in L2 from one call to the next
+// (past 100% of copy; torch.compile at 768 columns on 8448 rows: 99.4, ours 81.1 / 101.7). One H100
 // (50 MB), the window's first measurements, 32768 rows, allocated / not, the gate first:
 // 96.8 / 103.9-104.2 at 256 columns, 86.0 / 104.2-104.5 at 320, 86.7-86.9 / 103.9-104.1 at 384,
 // 87.5-87.6 / 93.8-94.1 at 448 (torch.compile 87.4-87.9, 88.2, 88.1-88.2, 89.7-89.8); the gate
