@@ -905,31 +905,35 @@ def test_extreme_rows(pattern, kind, hidden, dtype, seed):
 
 
 # Where x and y together outgrow the L2, the norm alone's forwards fetch x into L2 4 MB of rows
-# ahead of their own (kAloneAheadBytes, kPlainAheadBytes, norm_plan.h), the lean one loading it
-# without allocating it in L1: rows just past that at two slices a lane and two rows (512
-# columns), at three slices and one row (520), and in the plain forward's CTAs (1032 columns, 129
-# slices; 1536), so the last rows' fetches would fall past the end and must be skipped.
+# ahead of their own (kAloneAheadBytes, kPlainAheadBytes, norm_plan.h), so the last rows' fetches
+# would fall past the end and must be skipped; the lean one loads x without allocating it in L1
+# past the L2, or on a device whose DRAM passes 4 TB/s from 0.9 to 2.5 L2s (lean_fwd_fetch,
+# norm_cuda.cu). Rows of 0.95 L2s, just past one and of three, at two slices a lane and two rows
+# (512 columns), at three slices and one row (520), and in the plain forward's CTAs (1032 columns,
+# 129 slices; 1536).
+@pytest.mark.parametrize("l2s", [0.95, 1, 3])
 @pytest.mark.parametrize("kind,hidden", [("rms", 512), ("layer", 520), ("rms", 1032),
                                          ("layer", 1536)])
-def test_norm_alone_past_the_l2(kind, hidden, seed):
-    rows = torch.cuda.get_device_properties(0).L2_cache_size // (2 * 2 * hidden) + 1001
+def test_norm_alone_by_l2_share(l2s, kind, hidden, seed):
+    rows = int(l2s * torch.cuda.get_device_properties(0).L2_cache_size) // (2 * 2 * hidden) + 1001
     case = (LAYER if kind == "layer" else BASE).replace(hidden=hidden, lead=(rows,))
     inputs = make_norm_inputs(case, torch.bfloat16, seed, device="cuda")
     forward_on_gpu_checked(case, inputs)
 
 
 # Past the L2 (x, residual, y and residual_out together) on a device whose DRAM passes 4 TB/s,
-# the prenorm RMSNorm fetches x and the residual 2 MB ahead where it loads them without
-# allocating them in L1 (up to 48 slices) or holds fewer CTAs an SM (past 64), and between the
-# two takes the plan of other devices (lean_fwd_fetch, norm_cuda.cu): rows just past the L2 at
-# one slice a lane (256 columns), at two with lanes idle (328: 41 slices), at the last width
-# without L1 allocation (384) and the first after it (392), at the last before the cap (512) and
-# the first with it (520: three slices, lane 0 holding a third), and at four slices with lanes
-# idle (1000: 125).
+# the prenorm RMSNorm fetches x and the residual 2 MB ahead (up to 48 slices) or holds fewer CTAs
+# an SM as well (past 64), and between the two takes the plan of other devices past three L2s. On
+# that device it loads them without allocating them in L1 from 0.78 L2s to 1.75 (up to 32 slices)
+# or 2.25 (lean_fwd_fetch, norm_cuda.cu). Rows of 0.9 L2s, just past one and of 2.5: at one slice a
+# lane (256 columns), at two with lanes idle (328: 41 slices), at 48 slices (384) and the first
+# after (392), at the last before the cap (512) and the first with it (520: three slices, lane 0
+# holding a third), and at four slices with lanes idle (1000: 125).
+@pytest.mark.parametrize("l2s", [0.9, 1, 2.5])
 @pytest.mark.parametrize("hidden", [256, 328, 384, 392, 512, 520, 1000])
 @half_dtypes
-def test_prenorm_past_the_l2(hidden, dtype, seed):
-    rows = torch.cuda.get_device_properties(0).L2_cache_size // (4 * 2 * hidden) + 1001
+def test_prenorm_by_l2_share(l2s, hidden, dtype, seed):
+    rows = int(l2s * torch.cuda.get_device_properties(0).L2_cache_size) // (4 * 2 * hidden) + 1001
     case = BASE.replace(hidden=hidden, residual=True, prenorm=True, lead=(rows,))
     inputs = make_norm_inputs(case, dtype, seed, device="cuda", dtypes={"weight": torch.float32})
     forward_on_gpu_checked(case, inputs)

@@ -440,18 +440,24 @@ FastFwdInputs fast_fwd_inputs(const NormArgs& a, LeanDtypes d, int threads) {
   return threads == 32 && prenorm_call(a, d) ? kFwdPrenorm : kFwdResidual;
 }
 
+// How many times what the device's L2 holds `tensors` tensors of x's shape and dtype take.
+double l2_share(const NormArgs& a, int device, int tensors) {
+  return double(tensors * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice)) /
+         double(l2_cache_bytes(device));
+}
+
 // Whether `tensors` tensors of x's shape and dtype (the norm alone's x and y by default; the
 // prenorm call's x, residual, y and residual_out: 4) are more than `l2s` times what the device's
 // L2 holds. Past one L2 they do not stay there from one call to the next, and the norm alone's
 // forwards fetch x ahead of the rows they take.
 bool outgrows_l2(const NormArgs& a, int device, int tensors = 2, int l2s = 1) {
-  return tensors * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice) >
-         int64_t(l2s) * l2_cache_bytes(device);
+  return l2_share(a, device, tensors) > l2s;
 }
 
 // How the lean forward fetches its inputs (norm_plan.h): x (and the residual) ahead into L2 for
-// the prenorm kernel always, for the norm alone of 16-bit rows past the L2 (and x then not
-// allocated in L1: launch_norm_fwd_fast says what that bought). The plain gated call's x and z
+// the prenorm kernel always, for the norm alone of 16-bit rows past the L2 (and x not allocated
+// in L1 there, on a device past kFastDram only up to kAloneNoL1To L2s and from kAloneNoL1From:
+// launch_norm_fwd_fast says what that bought on an H100). The plain gated call's x and z
 // not allocated in L1 where x, z and y together are more than kGatedNoL1From and at most
 // kGatedNoL1To times the L2's bytes. One H200 (60 MB of L2), % of copy, direct timing, bf16 x and
 // z, float32 weight, rows sized to those bytes, allocated / not, at 0.7 / 0.85 / 1.0 / 1.15 / 1.3 /
@@ -489,62 +495,88 @@ bool outgrows_l2(const NormArgs& a, int device, int tensors = 2, int l2s = 1) {
 // (131072 rows of 256 columns, none / 4 MB with 5 CTAs: 95.7-95.8 / 94.3, compile 97.1-97.2).
 //
 // Past kFastDram (one H200), the prenorm call past the L2 (its four tensors) fetches x and the
-// residual kPrenormFarAheadBytes ahead where it loads them without allocating them in L1 (up to
-// kPrenormNoL1Slices slices, and between the two within kPrenormBetweenL2s L2s of those tensors) or
-// caps its CTAs at kPrenormCtasPerSm an SM (past kPrenormCappedPast), and between the two past
-// kPrenormBetweenL2s L2s keeps the H100's plan; the plain gated call at three slices a lane neither
-// fetches ahead nor caps its CTAs. % of copy, direct timing, bf16, float32 weight, 32768 rows;
-// RMSNorm + residual, allocated / not, 1 MB ahead (torch.compile): 81.0 / 92.4-93.0 at 256 columns
-// (86.7), 82.2 / 87.8 at 320 (84.2), 84.6 / 85.8 at 384 (87.2), but 86.7 / 85.6 at 448, 87.4-87.7 /
-// 85.8 at 512; x alone not allocated 88.2 at 256 and level or lost from 320. Within the L2 it lost
-// (109.4 / 78.7 at 128 columns, compile 118.5). Then 2 MB ahead, two processes, 1 MB and not
-// allocated up to 48 slices / not allocated, 2 MB / the same capped at 5 CTAs / allocated, 2 MB, 5
-// CTAs (torch.compile): 93.4 / 94.8-95.5 at 256; 85.4-86.1 / 88.3-90.3 / 89.4-89.5 / 85.3-85.7 at
-// 384 (87.4-87.8); 86.5-86.9 / 88.1-88.5 / 88.8-89.3 / 87.5-87.6 at 448 (88.4-88.7); 88.1-88.8 /
-// 88.5-88.9 / 89.3-89.7 / 89.1-89.4 at 512 (89.7-90.2); 88.9-89.0 / 89.4-89.5 / 89.2-89.3 /
-// 90.9-91.1 at 576 (89.9-90.0); allocated, 1 MB / 2 MB, 5 CTAs: 90.5-90.7 / 91.4-92.1 at 640
-// (91.1-92.1), 92.1-92.7 / 93.5-93.8 at 768 (93.5), 93.8-93.9 / 94.6 at 896 (94.3-94.4), 93.7-93.9
-// / 94.8-94.9 at 1024 (95.5-95.7). 4 and 6 CTAs ran with 5 or lower (6 do not fit from three slices
-// a lane), 1.5 MB and 3 MB lost up to 1 point to 2 MB at 384-896 (3 MB: 95.3 at 1024), blocks of 64
-// threads 89.0-90.0 at 384-512. On more rows, the H100's plan / not allocated, 2 MB, and 5 CTAs at
-// 512 / allocated, 2 MB, 5 CTAs at 768 (compile): 65536 rows 89.0 / 91.1 at 384 (94.9), 94.0 / 92.8
-// at 512 (95.7), 96.5 / 97.6 at 768 (96.8); 131072 rows 92.3 / 94.5 (97.5), 96.9 / 95.1 (97.7),
-// 98.6 / 99.5 (99.2): so 49-64 slices keep the H100's plan, which on 32768 rows gave up 0.5-2.8
-// points. Since one row a lane there (fast_fwd_rows, norm_plan.h), the H100's plan / 2 MB ahead,
-// not in L1, one H200, direct timing: on 16384 rows 82.0-82.3 / 91.9-92.0 at 512 (compile
-// 83.7-83.8), level at 448 and 480; on 32768 rows 89.4-89.6 / 89.7-90.0 at 512, 87.4-87.5 /
-// 88.0-88.4 at 480, 87.4-87.6 / 89.5-89.7 at 448 (compile 90.6-90.7 at 512, 88.7-89.1 at 448); on
-// 36864 rows 90.0-90.1 / 89.7-89.8, 88.2-88.4 / 87.8-88.2, 88.6-88.8 / 89.7-89.9; on 65536 rows
-// (past three L2s) 94.7-94.9 / 93.1-93.2 at 512, where nothing ahead gave 94.1-94.2, 0.5 MB 94.3
-// and 2 MB ahead capped at 5 CTAs 95.2-95.4 (compile 95.2-95.3). The plain gated call, 2 MB ahead
-// and 5 CTAs an SM / neither: 83.6 / 83.9 at 576 columns (82.6), 87.5 / 87.5-87.8 at 640 (88.5),
-// 86.5 / 88.7 at 704 (92.5), 88.4-88.8 / 90.3-90.6 at 768 (95.0-95.5); the gate after 81.2 / 84.3
-// at 576 (74.8), 86.6 / 87.3 at 640 (80.3), 88.9-89.1 / 90.6-90.7 at 768 (91.7). Neither the cap
-// alone (83.3 at 768) nor fetching ahead alone (87.9) did as well.
+// residual kPrenormFarAheadBytes ahead (up to kPrenormMidSlices slices, and between the two within
+// kPrenormBetweenL2s L2s of those tensors) and caps its CTAs at kPrenormCtasPerSm an SM past
+// kPrenormCappedPast, and between the two past kPrenormBetweenL2s L2s keeps the H100's plan; where
+// it loads them without allocating them in L1 the window below says; the plain gated call at three
+// slices a lane neither fetches ahead nor caps its CTAs. % of copy, direct timing, bf16, float32
+// weight, 32768 rows; RMSNorm + residual, allocated / not, 1 MB ahead (torch.compile): 81.0 /
+// 92.4-93.0 at 256 columns (86.7), 82.2 / 87.8 at 320 (84.2), 84.6 / 85.8 at 384 (87.2), but 86.7 /
+// 85.6 at 448, 87.4-87.7 / 85.8 at 512; x alone not allocated 88.2 at 256 and level or lost from
+// 320. Within the L2 it lost (109.4 / 78.7 at 128 columns, compile 118.5). Then 2 MB ahead, two
+// processes, 1 MB and not allocated up to 48 slices / not allocated, 2 MB / the same capped at 5
+// CTAs / allocated, 2 MB, 5 CTAs (torch.compile): 93.4 / 94.8-95.5 at 256; 85.4-86.1 / 88.3-90.3 /
+// 89.4-89.5 / 85.3-85.7 at 384 (87.4-87.8); 86.5-86.9 / 88.1-88.5 / 88.8-89.3 / 87.5-87.6 at 448
+// (88.4-88.7); 88.1-88.8 / 88.5-88.9 / 89.3-89.7 / 89.1-89.4 at 512 (89.7-90.2); 88.9-89.0 /
+// 89.4-89.5 / 89.2-89.3 / 90.9-91.1 at 576 (89.9-90.0); allocated, 1 MB / 2 MB, 5 CTAs: 90.5-90.7 /
+// 91.4-92.1 at 640 (91.1-92.1), 92.1-92.7 / 93.5-93.8 at 768 (93.5), 93.8-93.9 / 94.6 at 896
+// (94.3-94.4), 93.7-93.9 / 94.8-94.9 at 1024 (95.5-95.7). 4 and 6 CTAs ran with 5 or lower (6 do
+// not fit from three slices a lane), 1.5 MB and 3 MB lost up to 1 point to 2 MB at 384-896 (3 MB:
+// 95.3 at 1024), blocks of 64 threads 89.0-90.0 at 384-512. On more rows, the H100's plan / not
+// allocated, 2 MB, and 5 CTAs at 512 / allocated, 2 MB, 5 CTAs at 768 (compile): 65536 rows 89.0 /
+// 91.1 at 384 (94.9), 94.0 / 92.8 at 512 (95.7), 96.5 / 97.6 at 768 (96.8); 131072 rows 92.3 / 94.5
+// (97.5), 96.9 / 95.1 (97.7), 98.6 / 99.5 (99.2): so 49-64 slices keep the H100's plan, which on
+// 32768 rows gave up 0.5-2.8 points. Since one row a lane there (fast_fwd_rows, norm_plan.h), the
+// H100's plan / 2 MB ahead, not in L1, one H200, direct timing: on 16384 rows 82.0-82.3 / 91.9-92.0
+// at 512 (compile 83.7-83.8), level at 448 and 480; on 32768 rows 89.4-89.6 / 89.7-90.0 at 512,
+// 87.4-87.5 / 88.0-88.4 at 480, 87.4-87.6 / 89.5-89.7 at 448 (compile 90.6-90.7 at 512, 88.7-89.1
+// at 448); on 36864 rows 90.0-90.1 / 89.7-89.8, 88.2-88.4 / 87.8-88.2, 88.6-88.8 / 89.7-89.9; on
+// 65536 rows (past three L2s) 94.7-94.9 / 93.1-93.2 at 512, where nothing ahead gave 94.1-94.2, 0.5
+// MB 94.3 and 2 MB ahead capped at 5 CTAs 95.2-95.4 (compile 95.2-95.3). The plain gated call, 2 MB
+// ahead and 5 CTAs an SM / neither: 83.6 / 83.9 at 576 columns (82.6), 87.5 / 87.5-87.8 at 640
+// (88.5), 86.5 / 88.7 at 704 (92.5), 88.4-88.8 / 90.3-90.6 at 768 (95.0-95.5); the gate after 81.2
+// / 84.3 at 576 (74.8), 86.6 / 87.3 at 640 (80.3), 88.9-89.1 / 90.6-90.7 at 768 (91.7). Neither the
+// cap alone (83.3 at 768) nor fetching ahead alone (87.9) did as well.
 constexpr int64_t kPrenormFarAheadBytes = int64_t(2) << 20;
-constexpr int kPrenormNoL1Slices = 48, kPrenormCappedPast = 64, kPrenormCtasPerSm = 5;
+constexpr int kPrenormMidSlices = 48, kPrenormCappedPast = 64, kPrenormCtasPerSm = 5;
 constexpr int kPrenormBetweenL2s = 3;
+// Past kFastDram the prenorm call and the norm alone load their inputs without L1 allocation in a
+// window of footprints too (l2_share: x, residual, y and residual_out; x and y): the prenorm call's
+// more than kPrenormNoL1From and at most kPrenormNoL1To L2s (at most kPrenormNarrowNoL1To up to 32
+// slices), the norm alone's more than kAloneNoL1From and at most kAloneNoL1To. One H200, % of copy,
+// direct timing, bf16, float32 weight, rows sized to the share, allocated / not, with the fetch
+// ahead as above. RMSNorm + residual at 256 columns, 0.75 / 0.8 / 0.85 / 0.9 / 0.95 / 1.1 / 1.5 /
+// 1.6 / 1.8 / 2.0 / 2.3 / 3.0 L2s: 100.4 / 100.3, 96.2 / 99.3, 94.6 / 100.5, 89.1 / 98.5, 85.7 /
+// 96.3, 83.1 / 97.1, 85.1 / 88.7, 85.9 / 87.4, 88.2 / 87.5, 88.4 / 86.8, 91.1 / 88.3, 92.7 / 90.1
+// (torch.compile 89.6 at 0.8, 86.5 at 0.9, 94.1 at 3.0); at 512, 0.75 / 0.8 / 0.85 / 0.9 / 1.1 /
+// 2.0 / 2.3 / 2.6 / 3.0: 100.1 / 97.2, 95.5 / 95.9, 91.2 / 95.9, 87.7 / 96.3, 83.7 / 94.0, 90.4 /
+// 92.1, 92.2 / 93.0, 93.4 / 92.9, 95.4 / 94.1 (compile 90.6 at 0.8, 84.6 at 0.9, 85.4 at 1.1); at
+// 1024, 0.75 / 0.8 / 0.9 / 1.1 / 1.4 / 1.8 / 2.0 / 2.3 / 3.0: 101.8 / 100.4, 96.1 / 97.8, 88.0 /
+// 96.9, 83.4 / 95.6, 84.6 / 91.6, 90.1 / 91.1, 90.0 / 90.8, 92.5 / 91.4, 94.6 / 92.5 (compile 86.1
+// at 0.8, 82.8 at 0.9, 85.3 at 1.4); at 768, 1.1 / 1.8: 84.4 / 92.8, 90.2 / 92.5. At 5.0 L2s,
+// 256 / 384 / 512 columns: 96.9 / 93.2, 98.4 / 96.4, 98.2 / 95.4 (compile 98.0 at 256). RMSNorm
+// alone at 384 columns, 0.8 / 0.9 / 0.95 / 1.1 / 2.3 / 2.6 / 3.0 / 4.0: 97.7 / 86.4, 88.4 / 86.9,
+// 82.0 / 87.9, 78.4 / 90.0, 90.2 / 91.3, 90.8 / 91.2, 93.3 / 92.4, 94.8 / 93.9 (compile 85.2 at
+// 0.85, 97.2 at 4.0); at 768: 102.8 / 88.3, 95.3 / 92.9, 90.5 / 90.5, 83.5 / 93.5, 93.0 / 93.0,
+// 93.1 / 92.8, 95.5 / 94.5, 96.6 / 95.1 (compile 97.3 at 4.0). LayerNorm alone at 384: 78.9 / 78.4,
+// 77.0 / 81.5, 72.7 / 80.8, 74.3 / 83.8, 87.8 / 88.8, 88.2 / 88.5, 90.9 / 91.1, 93.5 / 92.4
+// (compile 92.9 at 4.0); at 768: 91.5 / 83.9, 84.6 / 86.7, 81.2 / 85.3, 82.7 / 89.7, 92.8 / 92.9,
+// 93.1 / 92.6, 95.2 / 94.4, 96.5 / 95.1 (compile 95.8).
 constexpr double kGatedNoL1From = 0.9, kGatedNoL1To = 1.75;
+constexpr double kPrenormNoL1From = 0.78, kPrenormNoL1To = 2.25, kPrenormNarrowNoL1To = 1.75;
+constexpr double kAloneNoL1From = 0.9, kAloneNoL1To = 2.5;
 LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int slices, int device) {
   LeanFwdFetch f;
   if (inputs == kFwdPrenorm) {
     f.ahead_bytes = kPrenormAheadBytes;
     const int n = slices_of(a);
-    const bool between = n > kPrenormNoL1Slices && n <= kPrenormCappedPast;
+    const bool between = n > kPrenormMidSlices && n <= kPrenormCappedPast;
     if (fast_dram(device) && outgrows_l2(a, device, 4) &&
         (!between || !outgrows_l2(a, device, 4, kPrenormBetweenL2s))) {
       f.ahead_bytes = kPrenormFarAheadBytes;
-      f.no_l1 = n <= kPrenormCappedPast;
       f.ctas_per_sm = n > kPrenormCappedPast ? kPrenormCtasPerSm : 0;
     }
+    const double l2s = l2_share(a, device, 4);
+    f.no_l1 = fast_dram(device) && l2s > kPrenormNoL1From &&
+              l2s <= (n <= 32 ? kPrenormNarrowNoL1To : kPrenormNoL1To);
   }
-  if (inputs == kFwdAlone && a.x.dtype != Dtype::F32 && outgrows_l2(a, device)) {
-    f.ahead_bytes = kAloneAheadBytes;
-    f.no_l1 = true;
+  if (inputs == kFwdAlone && a.x.dtype != Dtype::F32) {
+    const double l2s = l2_share(a, device, 2);
+    if (l2s > 1) f.ahead_bytes = kAloneAheadBytes;
+    f.no_l1 = fast_dram(device) ? l2s > kAloneNoL1From && l2s <= kAloneNoL1To : l2s > 1;
   }
   if (plain_gated_call(a)) {
-    const double l2s = double(3 * a.rows * a.hidden * (slice_bytes(a.x.dtype) / kSlice)) /
-                       double(l2_cache_bytes(device));
+    const double l2s = l2_share(a, device, 3);
     f.no_l1 = l2s > kGatedNoL1From && l2s <= kGatedNoL1To;
     if (l2s > 2 && ((slices == 3 && !fast_dram(device)) || (slices == 2 && slices_of(a) <= 48))) {
       f.ahead_bytes = kGatedAheadBytes;

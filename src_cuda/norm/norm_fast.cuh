@@ -1308,15 +1308,15 @@ cudaError_t launch_norm_fwd_fast(const NormArgs& a, NormPlan& p, int slices, Fas
     const int64_t row_bytes = a.hidden * (slice_bytes(Dtype(kDt)) / kSlice);
     args.ahead_rows = std::max<int64_t>(fetch.ahead_bytes / row_bytes, 1);
   }
-  // Loads not allocated in L1 (lean_fwd_fetch, norm_cuda.cu): the norm alone's x past the L2
-  // (fetched ahead there), the plain gated call's x and z about the L2's size, the narrow prenorm
-  // call's x and residual past the L2 on the H200 (lean_fwd_fetch has those measurements). The norm
-  // alone, one H100, % of copy, direct timing, one process each (bf16, float32 weight, 32768 rows),
-  // allocated / not: RMSNorm alone 80.0-80.2 / 98.1-98.7 at 448 columns, 81.6 / 91.5-92.8 at 512,
-  // 86.7-86.8 / 88.9-90.2 at 768, LayerNorm alone 78.1-78.8 / 87.7 at 512. Where the call fits the
-  // L2 it lost: LayerNorm alone 90.8-90.9 / 80.7-81.3 at 256 columns, RMSNorm alone 90.4 /
-  // 88.9-90.0 at 384. Rows beside a residual lost 0.2-2.5 points at 256-768 (RMSNorm + residual, in
-  // one process, x alone not allocated, on an H100).
+  // Loads not allocated in L1 (lean_fwd_fetch, norm_cuda.cu): the norm alone's x past the L2 (on
+  // the H200 from a little below it to 2.5 L2s), the plain gated call's x and z and, on the H200,
+  // the prenorm call's x and residual in windows about the L2's size (lean_fwd_fetch has those
+  // measurements). The norm alone, one H100, % of copy, direct timing, one process each (bf16,
+  // float32 weight, 32768 rows), allocated / not: RMSNorm alone 80.0-80.2 / 98.1-98.7 at 448
+  // columns, 81.6 / 91.5-92.8 at 512, 86.7-86.8 / 88.9-90.2 at 768, LayerNorm alone 78.1-78.8 /
+  // 87.7 at 512. Where the call fits the L2 it lost: LayerNorm alone 90.8-90.9 / 80.7-81.3 at 256
+  // columns, RMSNorm alone 90.4 / 88.9-90.0 at 384. Rows beside a residual lost 0.2-2.5 points at
+  // 256-768 (RMSNorm + residual, in one process, x alone not allocated, on an H100).
   args.no_l1 = fetch.no_l1;
   // A cap on the CTAs an SM holds (lean_fwd_fetch has the measurements) is dynamic shared memory
   // the kernel never touches: as much a CTA as leaves room for no more than the cap. The opt-in

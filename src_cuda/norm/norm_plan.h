@@ -209,15 +209,15 @@ inline int lean_fwd_block(const NormArgs& a, const NormPlan& p, FastFwdInputs in
 // (kAloneAheadBytes).
 constexpr int64_t kPrenormAheadBytes = int64_t(1) << 20;
 // The norm alone's lean kernel fetches 4 MB of x ahead where x and y together (16-bit) are more
-// bytes than the L2 holds, and then loads x without allocating it in L1 (norm_fast.cuh); where
-// they fit, they stay in L2 from one call to the next and fetching ahead pushed them out (one
-// H100, % of copy, direct timing, bf16, float32 weight, 32768 rows,
-// none / 4 MB: RMSNorm alone 104.7-105.5 / 106.1-108.6 at 256 columns but 89.2-89.8 / 85.1-85.5
-// at 384). Past the L2: RMSNorm alone 79.6-80.5 / 80.8-82.7 at 448 columns, 78.8-79.2 / 82.1-83.0
-// at 512, 82.6-83.6 / 83.5-84.6 at 640, 84.5-85.4 / 87.1-87.5 at 768; LayerNorm alone 75.7-76.3
-// / 78.1-79.7, 76.2-77.8 / 80.1-80.8, 79.7-80.5 / 81.8-82.3, 82.0-82.7 / 85.1-85.4. 8 MB ahead
-// lost to 4 (78.5-78.7 at 512, 83.3 at 768), 16 MB to none (76.3-76.5, 71.0-71.1); 1 MB and 256
-// KB gained about half as much. On 131072 rows: 94.6 / 96.1 at 512, 96.9 / 97.5 at 768.
+// bytes than the L2 holds, and loads x without allocating it in L1 (in a window of sizes on the
+// H200: lean_fwd_fetch, norm_cuda.cu); where they fit, they stay in L2 from one call to the next
+// and fetching ahead pushed them out (one H100, % of copy, direct timing, bf16, float32 weight,
+// 32768 rows, none / 4 MB: RMSNorm alone 104.7-105.5 / 106.1-108.6 at 256 columns but 89.2-89.8 /
+// 85.1-85.5 at 384). Past the L2: RMSNorm alone 79.6-80.5 / 80.8-82.7 at 448 columns, 78.8-79.2 /
+// 82.1-83.0 at 512, 82.6-83.6 / 83.5-84.6 at 640, 84.5-85.4 / 87.1-87.5 at 768; LayerNorm alone
+// 75.7-76.3 / 78.1-79.7, 76.2-77.8 / 80.1-80.8, 79.7-80.5 / 81.8-82.3, 82.0-82.7 / 85.1-85.4. 8 MB
+// ahead lost to 4 (78.5-78.7 at 512, 83.3 at 768), 16 MB to none (76.3-76.5, 71.0-71.1); 1 MB and
+// 256 KB gained about half as much. On 131072 rows: 94.6 / 96.1 at 512, 96.9 / 97.5 at 768.
 constexpr int64_t kAloneAheadBytes = int64_t(4) << 20;
 // The plain gated call past twice the L2 fetches x and z into L2 kGatedAheadBytes of x ahead of
 // its rows at two slices a lane up to 48 slices and, on a device whose DRAM is not past kFastDram,
