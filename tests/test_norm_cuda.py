@@ -921,14 +921,14 @@ def test_norm_alone_by_l2_share(l2s, kind, hidden, seed):
     forward_on_gpu_checked(case, inputs)
 
 
-# Past the L2 (x, residual, y and residual_out together) on a device whose DRAM passes 4 TB/s,
-# the prenorm RMSNorm fetches x and the residual 2 MB ahead (up to 48 slices) or holds fewer CTAs
-# an SM as well (past 64), and between the two takes the plan of other devices past three L2s. On
-# that device it loads them without allocating them in L1 from 0.78 L2s to 1.75 (up to 32 slices)
-# or 2.25 (lean_fwd_fetch, norm_cuda.cu). Rows of 0.9 L2s, just past one and of 2.5: at one slice a
-# lane (256 columns), at two with lanes idle (328: 41 slices), at 48 slices (384) and the first
-# after (392), at the last before the cap (512) and the first with it (520: three slices, lane 0
-# holding a third), and at four slices with lanes idle (1000: 125).
+# Past the L2 (x, residual, y and residual_out together) on a device whose DRAM passes 4 TB/s, the
+# prenorm RMSNorm fetches x and the residual 2 MB ahead (up to 48 slices) or holds fewer CTAs an SM
+# as well (past 64), and between the two takes the plan of other devices past three L2s. On that
+# device it loads them without allocating them in L1 from 0.78 L2s to 1.75 (up to 32 slices, which
+# past that hold fewer CTAs an SM) or 2.25 (lean_fwd_fetch, norm_cuda.cu). Rows of 0.9 L2s, just
+# past one and of 2.5: at one slice a lane (256 columns), at two with lanes idle (328: 41 slices),
+# at 48 slices (384) and the first after (392), at the last before the cap (512) and the first with
+# it (520: three slices, lane 0 holding a third), and at four slices with lanes idle (1000: 125).
 @pytest.mark.parametrize("l2s", [0.9, 1, 2.5])
 @pytest.mark.parametrize("hidden", [256, 328, 384, 392, 512, 520, 1000])
 @half_dtypes
