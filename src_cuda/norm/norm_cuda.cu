@@ -571,9 +571,10 @@ LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int slices,
       f.ctas_per_sm = n > kPrenormCappedPast ? kPrenormCtasPerSm : 0;
     }
     const double l2s = l2_share(a, device, 4);
-    const double no_l1_to = n <= 32 ? kPrenormNarrowNoL1To : kPrenormNoL1To;
+    const bool narrow = n <= kFastFwdSlices;  // one slice a lane
+    const double no_l1_to = narrow ? kPrenormNarrowNoL1To : kPrenormNoL1To;
     f.no_l1 = fast_dram(device) && l2s > kPrenormNoL1From && l2s <= no_l1_to;
-    if (fast_dram(device) && n <= 32 && l2s > no_l1_to) f.ctas_per_sm = kPrenormCtasPerSm;
+    if (fast_dram(device) && narrow && l2s > no_l1_to) f.ctas_per_sm = kPrenormCtasPerSm;
   }
   if (inputs == kFwdAlone && a.x.dtype != Dtype::F32) {
     const double l2s = l2_share(a, device, 2);
