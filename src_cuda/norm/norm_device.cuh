@@ -89,7 +89,7 @@ using Moments = float[3];
 // zeros), both one division a group where Chan, Golub and LeVeque's pairwise merge at every
 // butterfly level took a division a level (~25 instructions a level; ~11 where every lane held
 // as many elements, a halving instead), against ~6 here. Both give every lane of a group the
-// same bits (GroupSum). One H200, bf16, % of copy, direct timing (benchmarks/NOTES.md,
+// same bits (GroupSum). One H200, bf16, % of copy, direct timing (benchmarks/NOTES_norm.md,
 // twenty-second session): LayerNorm alone, the pairwise merges / ShiftedMoments, 76 / 90 at
 // 18432 columns, 73 / 91 at 21504, 73 / 90 at 36864 (threads holding unequal counts), 87 / 91 at
 // 40960 and 49152, 88 / 91 at 5120.

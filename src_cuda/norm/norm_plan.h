@@ -391,14 +391,15 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int
 // none / a wave ahead: LayerNorm 83 / 86 at 12288 and 84 / 86 at 16384, RMSNorm 92 / 95 at 16384,
 // and in clusters 66-82 / 81-93 (RMSNorm, 20480 to 65536 columns); at 8192 columns it lost (91 /
 // 87), and two waves ahead lost everywhere (67-77). On one H100 (direct timing, three runs;
-// benchmarks/NOTES.md) a wave ahead (8-12 MB of x) lost the RMSNorm up to 21 points against none,
-// and 2-6 MB ahead ran best: RMSNorm none / a wave / 4 MB 94.5 / 78.0 / 99.2 at 28672 columns, 98.9
-// / 95.4 / 99.4 at 16384, 97.2 / 91.0 / 98.2 at 14336, and 98.4-99.3 (4 MB) against 87.9-91.8 (the
-// ring forward that took them) from 36864 to 65536; 7-9 MB lost 3-11 points. The LayerNorm in wide
-// blocks, which streams x and y past the caches, stayed within a point at none, half a wave or a
-// wave ahead; its CTAs of 1024 slices (128 threads, not streaming) ran 71.5-85.3 a wave ahead and
-// 91.0-96.9 4 MB ahead. A distance in bytes holds the prefetched rows while they can still be in L2
-// at any width; the H200's wave (8-12 MB) is 2-3 times 4 MB and was not measured against it.
+// benchmarks/NOTES_norm.md) a wave ahead (8-12 MB of x) lost the RMSNorm up to 21 points against
+// none, and 2-6 MB ahead ran best: RMSNorm none / a wave / 4 MB 94.5 / 78.0 / 99.2 at 28672
+// columns, 98.9 / 95.4 / 99.4 at 16384, 97.2 / 91.0 / 98.2 at 14336, and 98.4-99.3 (4 MB) against
+// 87.9-91.8 (the ring forward that took them) from 36864 to 65536; 7-9 MB lost 3-11 points. The
+// LayerNorm in wide blocks, which streams x and y past the caches, stayed within a point at none,
+// half a wave or a wave ahead; its CTAs of 1024 slices (128 threads, not streaming) ran 71.5-85.3 a
+// wave ahead and 91.0-96.9 4 MB ahead. A distance in bytes holds the prefetched rows while they can
+// still be in L2 at any width; the H200's wave (8-12 MB) is 2-3 times 4 MB and was not measured
+// against it.
 // The clusters against the forward that took those rows before (held clusters, or one plain
 // held CTA of 1024 threads for an RMSNorm): LayerNorm 45-57 / 60-77 from 20480 to 65536 columns,
 // RMSNorm 63-76 / 85-92 (one H200, a wave ahead). One H100, 4 MB ahead (a wave for the streaming

@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
     // The moments combine from the mean (CenteredMoments), not around the first lane's mean
     // (ShiftedMoments). One H200, bf16, % of copy, direct timing, Shifted / Centered beside a
     // float32 stream: 87 / 92 at 49152 columns (six CTAs of 1024 slices in 512 threads), 86 / 89
-    // at 28672, but 91 / 89 at 18432 and 20480 (benchmarks/NOTES.md).
+    // at 28672, but 91 / 89 at 18432 and 20480 (benchmarks/NOTES_norm.md).
     if constexpr (kLayer)
       segment_moments<kNormMaxThreads, false, CenteredMoments>(m, T, rb);
     else

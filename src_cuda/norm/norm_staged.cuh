@@ -6,7 +6,7 @@
 // or two CTAs an SM, and the clusters past 8192 columns ran at 61-75% of copy. Here a CTA issues
 // every load of its share at once, holds none of it in registers (40-49 of them, three CTAs an
 // SM), and the CTAs of an SM are at different steps, so the memory system always has loads to
-// serve: 94-96% of copy from 4096 to 16384 columns (one H200, bf16, benchmarks/NOTES.md). Each
+// serve: 94-96% of copy from 4096 to 16384 columns (one H200, bf16, benchmarks/NOTES_norm.md). Each
 // CTA takes one row block (not persistent: a new CTA starts loading the moment one ends); its
 // threads read the staged slices back for the statistics, LayerNorm's second moment and the
 // output, which shared memory serves at a small part of its bandwidth. Included only by the
