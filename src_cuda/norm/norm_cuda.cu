@@ -446,13 +446,9 @@ double l2_share(const NormArgs& a, int device, int tensors) {
          double(l2_cache_bytes(device));
 }
 
-// Whether `tensors` tensors of x's shape and dtype (the norm alone's x and y by default; the
-// prenorm call's x, residual, y and residual_out: 4) are more than `l2s` times what the device's
-// L2 holds. Past one L2 they do not stay there from one call to the next, and the norm alone's
-// forwards fetch x ahead of the rows they take.
-bool outgrows_l2(const NormArgs& a, int device, int tensors = 2, int l2s = 1) {
-  return l2_share(a, device, tensors) > l2s;
-}
+// Whether x and y are more than the device's L2 holds. Then they do not stay there from one call
+// to the next, and the norm alone's forwards fetch x ahead of the rows they take.
+bool outgrows_l2(const NormArgs& a, int device) { return l2_share(a, device, 2) > 1; }
 
 // How the lean forward fetches its inputs (norm_plan.h): x (and the residual) ahead into L2 for
 // the prenorm kernel always, for the norm alone of 16-bit rows past the L2 (and x not allocated
@@ -563,18 +559,20 @@ LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int slices,
   LeanFwdFetch f;
   if (inputs == kFwdPrenorm) {
     f.ahead_bytes = kPrenormAheadBytes;
+    // The H100's plan is the fetch above and nothing else.
+    if (!fast_dram(device)) return f;
     const int n = slices_of(a);
+    const double l2s = l2_share(a, device, 4);
     const bool between = n > kPrenormMidSlices && n <= kPrenormCappedPast;
-    if (fast_dram(device) && outgrows_l2(a, device, 4) &&
-        (!between || !outgrows_l2(a, device, 4, kPrenormBetweenL2s))) {
+    if (l2s > 1 && (!between || l2s <= kPrenormBetweenL2s)) {
       f.ahead_bytes = kPrenormFarAheadBytes;
       f.ctas_per_sm = n > kPrenormCappedPast ? kPrenormCtasPerSm : 0;
     }
-    const double l2s = l2_share(a, device, 4);
     const bool narrow = n <= kFastFwdSlices;  // one slice a lane
     const double no_l1_to = narrow ? kPrenormNarrowNoL1To : kPrenormNoL1To;
-    f.no_l1 = fast_dram(device) && l2s > kPrenormNoL1From && l2s <= no_l1_to;
-    if (fast_dram(device) && narrow && l2s > no_l1_to) f.ctas_per_sm = kPrenormCtasPerSm;
+    f.no_l1 = l2s > kPrenormNoL1From && l2s <= no_l1_to;
+    if (narrow && l2s > no_l1_to) f.ctas_per_sm = kPrenormCtasPerSm;
+    return f;
   }
   if (inputs == kFwdAlone && a.x.dtype != Dtype::F32) {
     const double l2s = l2_share(a, device, 2);
