@@ -939,6 +939,22 @@ def test_prenorm_by_l2_share(l2s, hidden, dtype, seed):
     forward_on_gpu_checked(case, inputs)
 
 
+# The held forward of the prenorm RMSNorm (16-bit rows of 1025-4096 columns, 2 slices a thread) on
+# a device whose DRAM passes 4 TB/s stores y and residual_out without L1 allocation up to 2.5 L2s
+# (x, residual, y and residual_out together), and past 0.9 loads x and the residual so too and
+# fetches into L2 the rows 1 MB of x ahead, whose last fetches would fall past the end and must be
+# skipped (held_fwd_fetch, norm_cuda.cu). Rows of 0.6, 1.2 and 3 L2s, at 1032 columns (129 slices:
+# the second slice idle in all lanes but one) and 4096.
+@pytest.mark.parametrize("l2s", [0.6, 1.2, 3])
+@pytest.mark.parametrize("hidden", [1032, 4096])
+@half_dtypes
+def test_held_prenorm_by_l2_share(l2s, hidden, dtype, seed):
+    rows = int(l2s * torch.cuda.get_device_properties(0).L2_cache_size) // (4 * 2 * hidden) + 7
+    case = BASE.replace(hidden=hidden, residual=True, prenorm=True, lead=(rows,))
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda", dtypes={"weight": torch.float32})
+    forward_on_gpu_checked(case, inputs)
+
+
 def test_offsets_past_int32():
     """rows * hidden > 2^31, so element offsets into x, y, residual_out, dy and dx leave int32
     range. The last rows, whose offsets are the largest, are checked against the CPU path run

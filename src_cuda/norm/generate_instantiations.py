@@ -66,7 +66,7 @@ def main():
               header="norm_fast.cuh")
         write("norm_fwd_held_%s.cu" % tag, "the held fused-norm forward, %s." % rows,
               ["template cudaError_t launch_norm_fwd_held<%d, %d>(const NormArgs&, NormPlan&,"
-               " int, int, cudaStream_t);" % (dt, rt)],
+               " int,\n%49sHeldFwdFetch, int, cudaStream_t);" % (dt, rt, "")],
               header="norm_held.cuh")
         if dt == rt and DTYPES[dt] != "f32":
             write("norm_fwd_plain_%s.cu" % tag, "the plain fused-norm forward, %s." % rows,

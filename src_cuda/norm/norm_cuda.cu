@@ -627,6 +627,39 @@ int plain_held_slices(const NormArgs& a, LeanDtypes d) {
   return 2;
 }
 
+// How the held forward moves the rows of a prenorm call of 16-bit rows at 2 slices a thread
+// (1025-4096 columns; HeldFwdFetch, norm_plan.h) on a device past kFastDram, by the share of the
+// L2 that x, the residual, y and residual_out take (l2_share): up to kHeldFetchTo L2s y and
+// residual_out are stored without L1 allocation, and past kHeldFetchFrom x and the residual are
+// loaded so too and the rows kHeldAheadBytes of x ahead are fetched into L2. One H200, % of copy,
+// direct timing, bf16, float32 weight, none / stores / stores and loads / all three (compile):
+// - 2048 columns at 0.6 / 0.75 / 0.85 / 0.9 / 1.0 / 1.2 / 1.5 / 2.0 / 2.3 / 3.0 L2s: 97.1 / 103.2
+//   / 76.2 / 84.5 (95.5), 84.8 / 106.3 / 79.4 / 92.1 (92.0), 79.6 / 100.2 / 84.1 / 94.3 (89.8),
+//   77.3 / 93.1 / 87.3 / 92.3 (89.6), 77.9 / 84.8 / 87.8 / 91.5 (89.9), 80.7 / 81.5 / 86.6 /
+//   90.0 (86.1), 84.2 / 83.8 / 84.9 / 90.2 (83.2), 88.3 / 87.4 / 88.7 / 90.5 (85.6), 90.1 / 89.8
+//   / 89.5 / 90.8 (86.9), 92.2 / 92.1 / 92.1 / 92.4 (88.8);
+// - 4096 columns, the same shares: 88.9 / 94.9 / 76.9 / 83.3 (84.8), 85.2 / 104.7 / 80.6 / 91.5
+//   (89.7), 78.5 / 95.8 / 86.1 / 94.7 (88.1), 76.9 / 91.7 / 86.0 / 94.0 (85.9), 77.2 / 85.2 /
+//   87.5 / 91.3 (89.9), 80.5 / 80.8 / 84.8 / 90.8 (84.7), 83.1 / 82.7 / 83.4 / 89.3 (82.6), 86.9 /
+//   86.1 / 86.9 / 89.5 (86.0), 88.4 / 87.6 / 87.9 / 89.5 (86.9), 91.0 / 90.0 / 89.8 / 90.8 (90.2);
+//   1536 and 3072 columns alike. Below one L2 the stores' bytes stay in L2 from one call to the
+//   next; loads not allocated in L1 lost there (and without the fetch ahead everywhere).
+// Elsewhere, and on the H100, none of these (not measured there).
+constexpr double kHeldFetchFrom = 0.9, kHeldFetchTo = 2.5;
+constexpr int64_t kHeldAheadBytes = int64_t(1) << 20;
+HeldFwdFetch held_fwd_fetch(const NormArgs& a, LeanDtypes d, int slices, int device) {
+  HeldFwdFetch f;
+  if (slices != 2 || Dtype(d.dt) == Dtype::F32 || !prenorm_call(a, d) || !fast_dram(device))
+    return f;
+  const double l2s = l2_share(a, device, 4);
+  f.out_no_l1 = l2s <= kHeldFetchTo;
+  if (l2s > kHeldFetchFrom && l2s <= kHeldFetchTo) {
+    f.no_l1 = true;
+    f.ahead_rows = ceil_div(kHeldAheadBytes, a.hidden * (slice_bytes(a.x.dtype) / kSlice));
+  }
+  return f;
+}
+
 // The held forward's plan: one plain CTA of plain_held_slices a thread, else, for a segment
 // past one stage, the fewest clustered CTAs that hold it. Returns the slices a thread holds, or
 // 0 where the staged forward takes the call, or more than kMaxCluster CTAs would be needed, or
@@ -802,7 +835,8 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
   const int held = lean.ok ? held_plan(a, lean, device, p) : 0;
   if (held > 0) {
     const cudaError_t err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
-      return launch_norm_fwd_held<decltype(dt)::value, decltype(rt)::value>(a, p, held, sms, s);
+      return launch_norm_fwd_held<decltype(dt)::value, decltype(rt)::value>(
+          a, p, held, held_fwd_fetch(a, lean, held, device), sms, s);
     });
     // Otherwise not one cluster fits on this device: the general kernels below.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");

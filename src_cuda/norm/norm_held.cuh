@@ -21,11 +21,14 @@ namespace ssm {
 
 // kDt, kRt as for norm_fwd_fast_kernel; K slices a thread; blocks of up to kMaxThreads,
 // kMinBlocks of them an SM (what caps the registers); kCluster: launched as clusters of
-// p.cluster CTAs, else as plain CTAs. Not persistent: one block (cluster) a segment, so every
-// row a block sees exists, and a new one starts loading the moment one ends.
-template <int kDt, int kRt, int K, int kMaxThreads, int kMinBlocks, bool kCluster>
+// p.cluster CTAs, else as plain CTAs; kOutNoL1: 16-bit y and residual_out stored without L1
+// allocation (f.out_no_l1: a run-time choice spilled 24 bytes at 40 registers). Not persistent:
+// one block (cluster) a segment, so every row a block sees exists, and a new one starts loading
+// the moment one ends.
+template <int kDt, int kRt, int K, int kMaxThreads, int kMinBlocks, bool kCluster,
+          bool kOutNoL1 = false>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
-    norm_fwd_held_kernel(const NormArgs a, const NormPlan p) {
+    norm_fwd_held_kernel(const NormArgs a, const NormPlan p, const HeldFwdFetch f) {
   using namespace norm_detail;
   constexpr Dtype D = Dtype(kDt), R = Dtype(kRt);
   __shared__ float red[2][kMaxThreads / 32];
@@ -35,17 +38,33 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
   const int T = p.threads;
   const int64_t r = at.row_block;
   const bool residual = a.residual.present();
+  // Only the plain CTA of 2 slices a thread for 16-bit rows beside a stream of their dtype is
+  // given a fetch (held_fwd_fetch); the others compile its branches out, which cost registers
+  // (a cluster of 16-bit rows beside a float32 stream spilled 16 bytes against 4).
+  constexpr bool kFetches = !kCluster && K == 2 && kDt == kRt && D != Dtype::F32;
+  const LoadHint in = kFetches && f.no_l1 ? LoadHint::kNoL1 : LoadHint::kCached;
+  constexpr StoreHint kOut = kOutNoL1 ? StoreHint::kNoL1 : StoreHint::kCached;
   auto col = [&](int k) { return at.col0 + int64_t(at.lane + k * T) * kSlice; };
   auto live = [&](int k) { return at.lane + k * T < at.limit; };
 
+  // Threads 0 and 1 fetch into L2 x's and the residual's share of the row f.ahead_rows past this
+  // one, before the loads so that the addresses are not live beside the slices.
+  if (kFetches && f.ahead_rows > 0 && threadIdx.x < (residual ? 2 : 1) && r + f.ahead_rows < a.rows) {
+    const TensorRef& t = threadIdx.x == 0 ? a.x : a.residual;
+    const int bytes = slice_bytes(t.dtype) / kSlice;
+    prefetch_l2_bulk(static_cast<const char*>(t.data) +
+                         ((r + f.ahead_rows) * t.stride[0] + at.col0) * bytes,
+                     unsigned(a.group_size * bytes));
+  }
   // Every load first, so a thread has all of its share in flight at once.
   Slice g[K], t[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if (!live(k)) continue;
-    fetch_slice(a.x.data, D, r * a.x.stride[0] + col(k), kSlice, true, g[k]);
+    fetch_slice(a.x.data, D, r * a.x.stride[0] + col(k), kSlice, true, g[k], in);
     if (residual)
-      fetch_slice(a.residual.data, R, r * a.residual.stride[0] + col(k), kSlice, true, t[k]);
+      fetch_slice(a.residual.data, R, r * a.residual.stride[0] + col(k), kSlice, true, t[k],
+                  in);
   }
   if (kCluster) cluster_inbox_ready();
   auto row_sum = [&](float v, int i) {
@@ -72,7 +91,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     }
     if (a.residual_out.present())
       store_slice(a.residual_out.data, R, r * a.residual_out.stride[0] + col(k), kSlice, true,
-                  g[k]);
+                  g[k], kOut);
 #pragma unroll
     for (int e = 0; e < kSlice; ++e) acc += a.layer_norm ? g[k][e] : g[k][e] * g[k][e];
   }
@@ -100,27 +119,34 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) g[k][e] += w[e];
     }
-    store_slice(a.y.data, D, r * a.y.stride[0] + col(k), kSlice, true, g[k]);
+    store_slice(a.y.data, D, r * a.y.stride[0] + col(k), kSlice, true, g[k], kOut);
   }
 }
 
 template <int kDt, int kRt>
-cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int sms,
-                                 cudaStream_t stream) {
+cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, HeldFwdFetch f,
+                                 int sms, cudaStream_t stream) {
   constexpr bool kSame16 = kDt == kRt && Dtype(kDt) != Dtype::F32;
   if (p.cluster > 1)
     return launch_rows<true>(
         norm_fwd_held_kernel<kDt, kRt, held_slices(Dtype(kDt)), kNormMaxThreads, 2, true>, a, p,
-        sms, stream, 0, false);
-  if (slices == 2)
-    return launch_rows<false>(
-        norm_fwd_held_kernel<kDt, kRt, 2, kNormMaxThreads, held_narrow_blocks(kSame16), false>,
-        a, p, sms, stream, 0, false);
+        sms, stream, 0, false, f);
+  if (slices == 2) {
+    constexpr int kBlocks = held_narrow_blocks(kSame16);
+    if constexpr (kSame16) {
+      if (f.out_no_l1)
+        return launch_rows<false>(
+            norm_fwd_held_kernel<kDt, kRt, 2, kNormMaxThreads, kBlocks, false, true>, a, p, sms,
+            stream, 0, false, f);
+    }
+    return launch_rows<false>(norm_fwd_held_kernel<kDt, kRt, 2, kNormMaxThreads, kBlocks, false>,
+                              a, p, sms, stream, 0, false, f);
+  }
   if constexpr (kDt == kRt) {
     if (slices == 4)
       return launch_rows<false>(
           norm_fwd_held_kernel<kDt, kRt, 4, held_wide_threads(Dtype(kDt)), 1, false>, a, p, sms,
-          stream, 0, false);
+          stream, 0, false, f);
   }
   return cudaErrorInvalidConfiguration;  // held_plan plans none of these
 }

@@ -355,9 +355,18 @@ constexpr int kHeldMaxThreads = 1024;
 __host__ __device__ constexpr int held_wide_threads(Dtype x) {
   return x == Dtype::F32 ? 256 : kHeldMaxThreads;
 }
+// How the held forward moves its rows (held_fwd_fetch, norm_cuda.cu, says where and why): x
+// and the residual loaded without allocating them in L1; 16-bit y and residual_out stored so
+// (2 slices a thread, rows beside a stream of their dtype); the rows ahead_rows past a plain
+// CTA's own fetched into L2, 0 for none. A kernel argument of its own rather than fields of
+// NormPlan, for the reason `slices` is one.
+struct HeldFwdFetch {
+  int64_t ahead_rows = 0;
+  bool no_l1 = false, out_no_l1 = false;
+};
 template <int kDt, int kRt>
-cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, int sms,
-                                 cudaStream_t stream);
+cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, HeldFwdFetch f,
+                                 int sms, cudaStream_t stream);
 
 // The plain forward (norm_plain.cuh): whole rows of 16-bit x without a residual or a gate from
 // kPlainMinSlices slices (1024 columns; the lean forward takes shorter ones, and the norm alone at

@@ -2,5 +2,6 @@
 #include "../norm_held.cuh"
 
 namespace ssm {
-template cudaError_t launch_norm_fwd_held<1, 1>(const NormArgs&, NormPlan&, int, int, cudaStream_t);
+template cudaError_t launch_norm_fwd_held<1, 1>(const NormArgs&, NormPlan&, int,
+                                                 HeldFwdFetch, int, cudaStream_t);
 }  // namespace ssm
