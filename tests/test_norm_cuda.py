@@ -285,12 +285,13 @@ def forward_on_gpu_and_cpu(case, inputs, **extra):
     return fwd
 
 
-def forward_on_gpu_checked(case, inputs):
+def forward_on_gpu_checked(case, inputs, **extra):
     """The forward through the generic API on the GPU against the float64 references run on CPU
     copies of the inputs; unlike forward_on_gpu_and_cpu, no out= and no library CPU path."""
-    fwd = run_forward(case, inputs)
+    fwd = run_forward(case, inputs, **extra)
     check_forward(case, to_cpu(inputs),
-                  libssm.NormForward(*(None if t is None else t.cpu() for t in fwd)))
+                  libssm.NormForward(*(None if t is None else t.cpu() for t in fwd)),
+                  residual_dtype=extra.get("residual_dtype"))
 
 
 def backward_on_gpu_and_cpu(case, inputs, dy, dres, residual_dtype=None):
@@ -953,6 +954,17 @@ def test_held_prenorm_by_l2_share(l2s, hidden, dtype, seed):
     case = BASE.replace(hidden=hidden, residual=True, prenorm=True, lead=(rows,))
     inputs = make_norm_inputs(case, dtype, seed, device="cuda", dtypes={"weight": torch.float32})
     forward_on_gpu_checked(case, inputs)
+
+
+# The held forward of 16-bit rows beside a float32 stream, on the same device, loads x and the
+# residual and stores y without L1 allocation from 0.8 to 1.5 L2s of their bytes (held_fwd_fetch).
+# Rows of 0.6 and 1.2 L2s at 2048 and 4096 columns.
+@pytest.mark.parametrize("l2s", [0.6, 1.2])
+@pytest.mark.parametrize("hidden", [2048, 4096])
+def test_held_stream_by_l2_share(l2s, hidden, seed):
+    rows = int(l2s * torch.cuda.get_device_properties(0).L2_cache_size) // (12 * hidden) + 7
+    case, inputs = float32_stream_layer_norm(hidden, rows, seed)
+    forward_on_gpu_checked(case, inputs, residual_dtype=torch.float32)
 
 
 def test_offsets_past_int32():

@@ -21,12 +21,15 @@ namespace ssm {
 
 // kDt, kRt as for norm_fwd_fast_kernel; K slices a thread; blocks of up to kMaxThreads,
 // kMinBlocks of them an SM (what caps the registers); kCluster: launched as clusters of
-// p.cluster CTAs, else as plain CTAs; kOutNoL1: 16-bit y and residual_out stored without L1
-// allocation (f.out_no_l1: a run-time choice spilled 24 bytes at 40 registers). Not persistent:
-// one block (cluster) a segment, so every row a block sees exists, and a new one starts loading
-// the moment one ends.
+// p.cluster CTAs, else as plain CTAs; kFetch: the kernel for a fetch plan f (held_fwd_fetch, where
+// f.out_no_l1), 16-bit y and residual_out stored without L1 allocation, x and the residual loaded
+// as f.no_l1 says, the rows f.ahead_rows ahead fetched into L2. The others compile all of it out:
+// a run-time store hint spilled 24 bytes at 40 registers, and the load hint's branches changed
+// the registers of kernels that never take them (44 against 48 for 16-bit rows beside a float32
+// stream). Not persistent: one block (cluster) a segment, so every row a block sees exists, and
+// a new one starts loading the moment one ends.
 template <int kDt, int kRt, int K, int kMaxThreads, int kMinBlocks, bool kCluster,
-          bool kOutNoL1 = false>
+          bool kFetch = false>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     norm_fwd_held_kernel(const NormArgs a, const NormPlan p, const HeldFwdFetch f) {
   using namespace norm_detail;
@@ -38,18 +41,15 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
   const int T = p.threads;
   const int64_t r = at.row_block;
   const bool residual = a.residual.present();
-  // Only the plain CTA of 2 slices a thread for 16-bit rows beside a stream of their dtype is
-  // given a fetch (held_fwd_fetch); the others compile its branches out, which cost registers
-  // (a cluster of 16-bit rows beside a float32 stream spilled 16 bytes against 4).
-  constexpr bool kFetches = !kCluster && K == 2 && kDt == kRt && D != Dtype::F32;
-  const LoadHint in = kFetches && f.no_l1 ? LoadHint::kNoL1 : LoadHint::kCached;
-  constexpr StoreHint kOut = kOutNoL1 ? StoreHint::kNoL1 : StoreHint::kCached;
+  const LoadHint in = kFetch && f.no_l1 ? LoadHint::kNoL1 : LoadHint::kCached;
+  constexpr StoreHint kOut = kFetch ? StoreHint::kNoL1 : StoreHint::kCached;
   auto col = [&](int k) { return at.col0 + int64_t(at.lane + k * T) * kSlice; };
   auto live = [&](int k) { return at.lane + k * T < at.limit; };
 
   // Threads 0 and 1 fetch into L2 x's and the residual's share of the row f.ahead_rows past this
   // one, before the loads so that the addresses are not live beside the slices.
-  if (kFetches && f.ahead_rows > 0 && threadIdx.x < (residual ? 2 : 1) && r + f.ahead_rows < a.rows) {
+  if (kFetch && f.ahead_rows > 0 && threadIdx.x < (residual ? 2 : 1) &&
+      r + f.ahead_rows < a.rows) {
     const TensorRef& t = threadIdx.x == 0 ? a.x : a.residual;
     const int bytes = slice_bytes(t.dtype) / kSlice;
     prefetch_l2_bulk(static_cast<const char*>(t.data) +
@@ -133,7 +133,7 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, Hel
         sms, stream, 0, false, f);
   if (slices == 2) {
     constexpr int kBlocks = held_narrow_blocks(kSame16);
-    if constexpr (kSame16) {
+    if constexpr (Dtype(kDt) != Dtype::F32) {
       if (f.out_no_l1)
         return launch_rows<false>(
             norm_fwd_held_kernel<kDt, kRt, 2, kNormMaxThreads, kBlocks, false, true>, a, p, sms,
