@@ -922,6 +922,15 @@ def test_norm_alone_by_l2_share(l2s, kind, hidden, seed):
     forward_on_gpu_checked(case, inputs)
 
 
+def prenorm_at_l2_share(l2s, hidden, dtype, seed, more_rows):
+    """The prenorm RMSNorm (float32 weight) on rows whose x, residual, y and residual_out take `l2s`
+    times the device's L2, and `more_rows` more, against the float64 references."""
+    rows = int(l2s * torch.cuda.get_device_properties(0).L2_cache_size) // (4 * 2 * hidden)
+    case = BASE.replace(hidden=hidden, residual=True, prenorm=True, lead=(rows + more_rows,))
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda", dtypes={"weight": torch.float32})
+    forward_on_gpu_checked(case, inputs)
+
+
 # Past the L2 (x, residual, y and residual_out together) on a device whose DRAM passes 4 TB/s, the
 # prenorm RMSNorm fetches x and the residual 2 MB ahead (up to 48 slices) or holds fewer CTAs an SM
 # as well (past 64), and between the two takes the plan of other devices past three L2s. On that
@@ -934,10 +943,7 @@ def test_norm_alone_by_l2_share(l2s, kind, hidden, seed):
 @pytest.mark.parametrize("hidden", [256, 328, 384, 392, 512, 520, 1000])
 @half_dtypes
 def test_prenorm_by_l2_share(l2s, hidden, dtype, seed):
-    rows = int(l2s * torch.cuda.get_device_properties(0).L2_cache_size) // (4 * 2 * hidden) + 1001
-    case = BASE.replace(hidden=hidden, residual=True, prenorm=True, lead=(rows,))
-    inputs = make_norm_inputs(case, dtype, seed, device="cuda", dtypes={"weight": torch.float32})
-    forward_on_gpu_checked(case, inputs)
+    prenorm_at_l2_share(l2s, hidden, dtype, seed, 1001)
 
 
 # The held forward of the prenorm RMSNorm (16-bit rows of 1025-4096 columns, 2 slices a thread) on
@@ -950,10 +956,7 @@ def test_prenorm_by_l2_share(l2s, hidden, dtype, seed):
 @pytest.mark.parametrize("hidden", [1032, 4096])
 @half_dtypes
 def test_held_prenorm_by_l2_share(l2s, hidden, dtype, seed):
-    rows = int(l2s * torch.cuda.get_device_properties(0).L2_cache_size) // (4 * 2 * hidden) + 7
-    case = BASE.replace(hidden=hidden, residual=True, prenorm=True, lead=(rows,))
-    inputs = make_norm_inputs(case, dtype, seed, device="cuda", dtypes={"weight": torch.float32})
-    forward_on_gpu_checked(case, inputs)
+    prenorm_at_l2_share(l2s, hidden, dtype, seed, 7)
 
 
 # The held forward of 16-bit rows beside a float32 stream, on the same device, loads x and the
