@@ -295,7 +295,7 @@ NORM_STREAM_CASES = [
     (7, 2056, "layer", torch.bfloat16, True),
     (13, 3080, "layer", torch.bfloat16, False),
     (9, 4096, "rms", torch.float16, True),
-    # LayerNorm fetching rows ahead into L2 there (stream_ahead, norm_fast.cuh), with more rows
+    # LayerNorm fetching rows ahead into L2 there (stream_ahead, norm_fast_bwd.cuh), with more rows
     # than two strides of its grid so that the prefetches run: 385 slices in 512 threads, one
     # CTA an SM; 161 in 256.
     (400, 3080, "layer", torch.bfloat16, True),

@@ -36,7 +36,7 @@ def weighted_inputs(case, dtype, weight, seed):
 # 16385 (either side of the largest register-resident row), 20000 and 65536 (re-read slices;
 # 65536 is the limit); group sizes that are tiny (1, 8) or not multiples of 8 (241); rows from
 # 1 to 8192, the latter spreading dweight/dbias over many blocks' partial sums. On sm_90 the
-# lean kernels share segments past 8192 columns among the CTAs of a cluster (norm_fast.cuh):
+# lean kernels share segments past 8192 columns among the CTAs of a cluster (norm_fast_bwd.cuh):
 # 8200 (three 256-thread CTAs, the last one a slice), 24584 (seven, LayerNorm's two sums), 40000
 # (five 512-thread CTAs, 300 rows so each cluster walks many), 65536 (eight), 16384 with no rows
 # (zero dweight), and gated groups of 16384 and 12288 columns (a cluster per group). The forward
@@ -650,7 +650,7 @@ def _beside_residual(case, hidden, rows, **changes):
 # rows a CTA), two groups of 128 slices, and one segment a CTA from 129 slices (2048 columns in
 # 256 threads, 385 slices in 512 with the last 127 threads idle, and 512 in 512); LayerNorm
 # with dresidual_out fetches rows ahead into L2 at 385 and 161 slices (stream_ahead,
-# norm_fast.cuh), where the rows outnumber two strides of its grid. The lean forward takes three
+# norm_fast_bwd.cuh), where the rows outnumber two strides of its grid. The lean forward takes three
 # slices a lane there at 41 slices (16 lanes a segment) and 65 (lane 0 holding a third).
 @pytest.mark.parametrize("case", [GATED.replace(bias=True),
                                   _beside_residual(BASE, 8, 300, prenorm=True),

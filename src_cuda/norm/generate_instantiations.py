@@ -19,7 +19,7 @@ CLUSTERED_LAUNCHERS = (
      "norm_staged.cuh"),
     ("norm_bwd_fast", "the lean fused-norm backward",
      "launch_norm_bwd_fast<%d, %d, %s>(const NormArgs&, NormPlan&, int, cudaStream_t)",
-     "norm_fast.cuh"),
+     "norm_fast_bwd.cuh"),
 )
 DTYPES = {-1: "generic", 0: "f32", 1: "f16", 2: "bf16"}  # values of ssm::Dtype
 # (kDt, kRt): one dtype, or a float32 residual stream beside 16-bit x.

@@ -70,12 +70,12 @@ cudaError_t launch_norm_bwd(const NormArgs& a, const NormPlan& p, cudaStream_t s
 // the prenorm kernel, its weight fetched with x, takes them (lean_fwd_slices). Before the GPU-time
 // windows (one H200), against the staged forward: 72 / 64 at 256 columns (bf16 with a bf16
 // residual), 81 / 82 at 512, 85 / 90 at 1024, 86 / 93 for gated groups of 1024. The backward with
-// kCluster shares a segment among the p.cluster CTAs of a thread-block cluster (sm_90 and later),
-// p.cta_slices slices each, that add their partial sums through distributed shared memory; without
-// it one CTA holds a segment. Its launcher lowers p.row_blocks to the clusters that run at once
-// with kCluster (without, the fused plan has sized it): the partial sums have p.row_blocks rows.
-// With kCluster it returns cudaErrorInvalidClusterSize, launching nothing, when not one cluster of
-// p.cluster CTAs fits on the device.
+// kCluster (norm_fast_bwd.cuh) shares a segment among the p.cluster CTAs of a thread-block
+// cluster (sm_90 and later), p.cta_slices slices each, that add their partial sums through
+// distributed shared memory; without it one CTA holds a segment. Its launcher lowers p.row_blocks
+// to the clusters that run at once with kCluster (without, the fused plan has sized it): the
+// partial sums have p.row_blocks rows. With kCluster it returns cudaErrorInvalidClusterSize,
+// launching nothing, when not one cluster of p.cluster CTAs fits on the device.
 constexpr int kFastFwdSlices = 32, kFastFwdBlock = 128;
 // What a lean forward reads beside x, each in a kernel of its own (norm_fast.cuh says why):
 // nothing, a residual and/or residual_out, a gate z (and a residual where given) before the norm

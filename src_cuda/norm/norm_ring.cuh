@@ -3,9 +3,9 @@
 // them in flight; persistent CTAs (clusters) walk down the rows. The backward (dx, dweight, dbias)
 // of the norm alone past 512 slices or beside a float32 stream past 1024; the forward (below, after
 // the backward) of a gated RMSNorm, or of an RMSNorm or LayerNorm beside a residual (norm_plan.h
-// says from which widths). The lean backward (norm_fast.cuh) keeps the next row in registers; with
-// the dweight and dbias sums there too, its 128 registers a thread allow 512 threads an SM, 32 KB
-// of x and dy in flight an SM at 16384 columns, shared by the four CTAs of a cluster that meet
+// says from which widths). The lean backward (norm_fast_bwd.cuh) keeps the next row in registers;
+// with the dweight and dbias sums there too, its 128 registers a thread allow 512 threads an SM,
+// 32 KB of x and dy in flight an SM at 16384 columns, shared by the four CTAs of a cluster meeting
 // every row: 71% of copy (one H200, LayerNorm, bf16, direct timing). The ring backward issues each
 // row's copies two rows ahead (128 KB an SM at 16384 columns); a CTA holds whole rows up to 16384
 // columns, so no cluster there: 84% (norm_plan.h). Past that the CTAs of a cluster share a row,
