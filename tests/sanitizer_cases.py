@@ -201,7 +201,8 @@ NORM_CASES = [
     (200, 40968, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     (300, 12296, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.float32),
     (300, 24584, 0, "layer", torch.float16, torch.float32, False, True, 0, torch.float32),
-    # The staged forward without a gate: an RMSNorm of 16-bit rows beside their dtype, 769 slices.
+    # An RMSNorm of 16-bit rows beside their dtype, 769 slices: the staged forward without a gate,
+    # or past 4 TB/s of DRAM the held one at 2 slices a thread in 512 threads.
     (5, 6152, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     # The lean forward: two rows a lane, the second past the end (33 rows), 25 slices in 32
     # lanes; 7 rows of one warp each; float32 rows with a gate in groups of 8 lanes.

@@ -64,8 +64,10 @@ CLUSTER_ROWS = (
 # slices in 32 float32 threads (16-bit ones take the lean forward's two slices a lane); without a
 # residual, 4 slices a thread at 8192 and 1032 columns (float32: 4 for the RMSNorm at 8192, 2 for
 # the LayerNorm at 1032); 12296 columns beside a residual, 4 slices a thread in 512 16-bit threads,
-# the last ones idle; 6152, 769 slices, staged for a 16-bit RMSNorm and 4 slices a thread in 256
-# float32 threads.
+# the last ones idle; 6152, 769 slices, for a 16-bit RMSNorm staged, or held at 2 slices a thread
+# in 512 threads where the device's DRAM passes 4 TB/s (the call is a prenorm one: the generic
+# API writes residual_out), zero-centred staged everywhere, and 4 slices a thread in 256 float32
+# threads.
 HELD_ROWS = (
     LAYER.replace(hidden=8192, lead=(9,), residual=True, prenorm=True),
     BASE.replace(hidden=2056, lead=(5,), residual=True),
@@ -74,6 +76,7 @@ HELD_ROWS = (
     LAYER.replace(hidden=1032, lead=(11,)),
     BASE.replace(hidden=12296, lead=(3,), residual=True, prenorm=True),
     BASE.replace(hidden=6152, lead=(5,), residual=True),
+    BASE.replace(hidden=6152, lead=(5,), residual=True, zero_centered_weight=True),
 )
 # The plain forward (norm_plain.cuh) takes 16-bit rows without a residual or a gate
 # (test_plain_and_gated_ring_rows), in whole warps: 4 slices a thread below 512 slices, at 1024
@@ -946,14 +949,16 @@ def test_prenorm_by_l2_share(l2s, hidden, dtype, seed):
     prenorm_at_l2_share(l2s, hidden, dtype, seed, 1001)
 
 
-# The held forward of the prenorm RMSNorm (16-bit rows of 1025-4096 columns, 2 slices a thread) on
+# The held forward of the prenorm RMSNorm (16-bit rows of 1025-8192 columns, 2 slices a thread) on
 # a device whose DRAM passes 4 TB/s stores y and residual_out without L1 allocation up to 2.5 L2s
 # (x, residual, y and residual_out together), and past 0.9 loads x and the residual so too and
 # fetches into L2 the rows 1 MB of x ahead, whose last fetches would fall past the end and must be
-# skipped (held_fwd_fetch, norm_cuda.cu). Rows of 0.6, 1.2 and 3 L2s, at 1032 columns (129 slices:
-# the second slice idle in all lanes but one) and 4096.
+# skipped; past 2.5 all three past 512 slices where at most 60% of the threads hold a slice
+# (held_fwd_fetch, norm_cuda.cu). Rows of 0.6, 1.2 and 3 L2s, at 1032 columns (129 slices: the
+# second slice idle in all lanes but one), 4096, 4104 (513 slices in 512 threads, 257 of them
+# busy: the first row the staged forward takes elsewhere) and 8192.
 @pytest.mark.parametrize("l2s", [0.6, 1.2, 3])
-@pytest.mark.parametrize("hidden", [1032, 4096])
+@pytest.mark.parametrize("hidden", [1032, 4096, 4104, 8192])
 @half_dtypes
 def test_held_prenorm_by_l2_share(l2s, hidden, dtype, seed):
     prenorm_at_l2_share(l2s, hidden, dtype, seed, 7)

@@ -600,7 +600,8 @@ LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int slices,
 //   RMSNorm 52 / 61 at 264 columns, 82-96 / 83-96 from 512 to 4096; float32 LayerNorm 89 / 96
 //   at 8192.
 // - the exceptions to that: RMSNorm of 16-bit rows beside a residual of their dtype keeps the
-//   staged forward from 4097 to 8192 columns (96.7 / 95.8; float16 95.6 / 94.8); 16-bit rows
+//   staged forward from 4097 to 8192 columns (96.7 / 95.8; float16 95.6 / 94.8), but for the
+//   prenorm call on a device past kFastDram (below); 16-bit rows
 //   without a residual take 4 slices a thread from 1024 columns (70 / 80 at 1024, 77 / 91 at
 //   4096, 71 / 89 at 8192; LayerNorm 56 / 77), a float32 RMSNorm from 2048 (88 / 95 at 2048,
 //   96 / 97 at 8192; without a residual 76 / 92 at 8192, where 2 slices a thread gave 81).
@@ -613,7 +614,14 @@ LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int slices,
 //   20000, 93 / 88 at 24576. Not for the others, one CTA an SM idling while it reduces: a
 //   LayerNorm's two reductions lost (80 / 84, bf16 at 32768), and so did float32 rows (96 / 97
 //   at 16384) and 16-bit ones beside a float32 stream (the registers spill).
-int plain_held_slices(const NormArgs& a, LeanDtypes d) {
+// - the prenorm RMSNorm of 16-bit rows from 4097 to 8192 columns on a device past kFastDram, 2
+//   slices a thread with held_fwd_fetch's plan against the staged forward: one H200, bf16, float32
+//   weight, 2^27 elements (the sweep's rows): 99.3 / 83.0 at 4160 columns (torch.compile 96.1),
+//   99.8 / 87.8 at 4608 (97.9), 99.4 / 91.1 at 5120 (98.0), 100.5 / 94.3 at 5632 (97.6), 100.4 /
+//   96.9 at 6144 (98.6), 99.7 / 99.4 at 7168 (98.9), 98.4 / 99.1 at 8192 (97.0); at 0.6-2.5 L2s
+//   of its tensors 84-103 / 70-85 (compile 74-93).
+constexpr int kHeldWideSlices = 512;
+int plain_held_slices(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
   const bool f32 = Dtype(d.dt) == Dtype::F32, same16 = !f32 && d.rt == d.dt;
   const bool residual = a.residual.present();
@@ -622,16 +630,20 @@ int plain_held_slices(const NormArgs& a, LeanDtypes d) {
   if (nslices > 2 * kNormMaxThreads)
     return same16 && residual && nslices <= 4 * kNormMaxThreads ? 4 : 0;
   if (same16 && !residual) return nslices >= 128 ? 4 : 2;
-  if (same16 && !a.layer_norm && nslices > 512) return 0;
+  if (same16 && !a.layer_norm && nslices > kHeldWideSlices)
+    return prenorm_call(a, d) && fast_dram(device) ? 2 : 0;
   if (f32 && !a.layer_norm && nslices >= 256) return 4;
   return 2;
 }
 
 // How the held forward moves the rows of a prenorm call of 16-bit rows at 2 slices a thread
-// (1025-4096 columns; HeldFwdFetch, norm_plan.h) on a device past kFastDram, by the share of the
+// (1025-8192 columns; HeldFwdFetch, norm_plan.h) on a device past kFastDram, by the share of the
 // L2 that x, the residual, y and residual_out take (l2_share): up to kHeldFetchTo L2s y and
 // residual_out are stored without L1 allocation, and past kHeldFetchFrom x and the residual are
-// loaded so too and the rows kHeldAheadBytes of x ahead are fetched into L2. One H200, % of copy,
+// loaded so too and the rows kHeldAheadBytes of x ahead are fetched into L2; past kHeldFetchTo all
+// three only past kHeldWideSlices where at most kHeldBusyFetch of the CTA's threads hold a slice
+// (the power of two of threads leaves the rest idle, and the fetch ahead makes up for the bytes
+// they do not keep in flight). One H200, % of copy,
 // direct timing, bf16, float32 weight, none / stores / stores and loads / all three (compile):
 // - 2048 columns at 0.6 / 0.75 / 0.85 / 0.9 / 1.0 / 1.2 / 1.5 / 2.0 / 2.3 / 3.0 L2s: 97.1 / 103.2
 //   / 76.2 / 84.5 (95.5), 84.8 / 106.3 / 79.4 / 92.1 (92.0), 79.6 / 100.2 / 84.1 / 94.3 (89.8),
@@ -643,7 +655,19 @@ int plain_held_slices(const NormArgs& a, LeanDtypes d) {
 //   87.5 / 91.3 (89.9), 80.5 / 80.8 / 84.8 / 90.8 (84.7), 83.1 / 82.7 / 83.4 / 89.3 (82.6), 86.9 /
 //   86.1 / 86.9 / 89.5 (86.0), 88.4 / 87.6 / 87.9 / 89.5 (86.9), 91.0 / 90.0 / 89.8 / 90.8 (90.2);
 //   1536 and 3072 columns alike. Below one L2 the stores' bytes stay in L2 from one call to the
-//   next; loads not allocated in L1 lost there (and without the fetch ahead everywhere).
+//   next; loads not allocated in L1 lost there (and without the fetch ahead everywhere);
+// - from 5120 to 8192 columns (held_plan's rows past the staged forward's, above) alike: at 5120,
+//   6144 and 8192, 0.6 / 0.75 / 1.0 / 1.2 / 2.0 L2s, none / stores / all three (compile): 84.1 /
+//   89.0 / 79.3 (89.9), 78.2 / 93.6 / 83.8 (89.8), 75.3 / 79.2 / 84.6 (89.3), 77.1 / 75.9 / 85.1
+//   (73.9), 85.0 / 83.4 / 87.7 (86.2); 92.9 / 98.1 / 85.1 (91.4), 79.2 / 96.0 / 86.1 (92.8), 77.1
+//   / 80.9 / 89.1 (84.2), 77.9 / 76.8 / 86.1 (81.9), 85.7 / 85.5 / 86.6 (86.7); 89.0 / 94.5 / 81.2
+//   (73.8), 83.8 / 102.7 / 87.2 (82.3), 74.9 / 80.4 / 87.5 (86.5), 78.2 / 77.9 / 87.3 (82.8), 85.0
+//   / 84.0 / 86.6 (84.1);
+// - past kHeldFetchTo, 2^27 elements, none / all three: 93.2 / 99.3 at 4160 columns (260 of 512
+//   threads busy), 97.1 / 99.8 at 4608 (288), 99.4 / 99.1 at 5120 (320), 100.5 / 99.0 at 5632,
+//   100.4 / 98.4 at 6144, 98.4 / 96.6 at 8192; narrower rows with threads idle lost or moved
+//   little: 92.3 / 92.1 at 1040 columns (65 of 128 busy), 93.6 / 90.7 at 1160 (73), 93.7 / 96.1
+//   at 2080 (130 of 256), 97.9 / 97.4 at 2304 (144).
 // 16-bit rows beside a float32 stream (residual in and out) load x and the residual, and store y,
 // without L1 allocation at more than kStreamFetchFrom and at most kStreamFetchTo L2s (their
 // bytes: the stream's elements count twice), and fetch nothing ahead. One H200, % of copy,
@@ -659,14 +683,18 @@ int plain_held_slices(const NormArgs& a, LeanDtypes d) {
 // Elsewhere, and on the H100, none of these (not measured there).
 constexpr double kHeldFetchFrom = 0.9, kHeldFetchTo = 2.5;
 constexpr double kStreamFetchFrom = 0.8, kStreamFetchTo = 1.5;
+constexpr double kHeldBusyFetch = 0.6;
 constexpr int64_t kHeldAheadBytes = int64_t(1) << 20;
 HeldFwdFetch held_fwd_fetch(const NormArgs& a, LeanDtypes d, int slices, int device) {
   HeldFwdFetch f;
   if (slices != 2 || Dtype(d.dt) == Dtype::F32 || !fast_dram(device)) return f;
   if (prenorm_call(a, d)) {
     const double l2s = l2_share(a, device, 4);
-    f.out_no_l1 = l2s <= kHeldFetchTo;
-    if (l2s > kHeldFetchFrom && l2s <= kHeldFetchTo) {
+    const int busy = int(ceil_div(slices_of(a), slices));
+    const bool idle =
+        slices_of(a) > kHeldWideSlices && busy <= kHeldBusyFetch * pow2_at_least(busy);
+    f.out_no_l1 = l2s <= kHeldFetchTo || idle;
+    if (l2s > kHeldFetchFrom && (l2s <= kHeldFetchTo || idle)) {
       f.no_l1 = true;
       f.ahead_rows = ceil_div(kHeldAheadBytes, a.hidden * (slice_bytes(a.x.dtype) / kSlice));
     }
@@ -684,7 +712,7 @@ HeldFwdFetch held_fwd_fetch(const NormArgs& a, LeanDtypes d, int slices, int dev
 int held_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   if (a.z.present()) return 0;
   const int nslices = slices_of(a);
-  const int plain = plain_held_slices(a, d);
+  const int plain = plain_held_slices(a, d, device);
   const int K = plain > 0 ? plain : held_slices(Dtype(d.dt));
   const int cluster = plain > 0 ? 1 : int(ceil_div(nslices, K * kNormMaxThreads));
   if (plain == 0 && (one_stage_fits(a, d) || cluster > kMaxCluster || !cluster_kernels_run(device)))
