@@ -90,10 +90,11 @@ HELD_ROWS = (
 # of 1280 slices, 8 a thread in 160 threads (20480), three of 1537, the last 1535, in 224 threads
 # (193 lanes holding 7, the others 6; 36872), three and four CTAs of 2048, 4 a thread in 512 threads
 # (49152 zero-centred, 65536 with a bias), with enough rows that the blocks fetch rows ahead into L2
-# and the last blocks do not; a LayerNorm's: two CTAs of 1152 slices, 8 a thread in 160 threads
-# (18432), of 1280 (20480), of 1537 and 1536 in 224 threads (24584), and past 4096 slices CTAs of up
-# to 1024 in 128 threads: five of 922, the last 921 (36872 columns), six of 854, the last 851
-# (40968), eight full ones (65536, on three rows).
+# and the last blocks do not (past 4096 slices, where the DRAM passes 4 TB/s, CTAs of up to 1024 as
+# a LayerNorm's: five of 922, the last 921, six and eight full ones); a LayerNorm's: two CTAs of
+# 1152 slices, 8 a thread in 160 threads (18432), of 1280 (20480), of 1537 and 1536 in 224 threads
+# (24584), and past 4096 slices CTAs of up to 1024 in 128 threads: five of 922, the last 921 (36872
+# columns), six of 854, the last 851 (40968), eight full ones (65536, on three rows).
 PLAIN_ROWS = (
     LAYER.replace(hidden=1024, lead=(3,)),
     LAYER.replace(hidden=1040, lead=(13,)),

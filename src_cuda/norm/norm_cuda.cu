@@ -738,8 +738,8 @@ int plain_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   if (dt == Dtype::F32 || d.rt != d.dt || a.residual.present() || a.residual_out.present() ||
       a.z.present() || a.ngroups != 1 || !weight_ok || nslices < kPlainMinSlices)
     return 0;
-  const int per_cta =
-      a.layer_norm && nslices > 2 * kPlainCtaSlices ? kPlainLayerCtaSlices : kPlainCtaSlices;
+  const bool short_ctas = nslices > 2 * kPlainCtaSlices && (a.layer_norm || fast_dram(device));
+  const int per_cta = short_ctas ? kPlainShortCtaSlices : kPlainCtaSlices;
   const int cluster = int(ceil_div(nslices, per_cta));
   if (cluster > 1 && (cluster > kMaxCluster || !cluster_kernels_run(device))) return 0;
   if (a.rows > INT_MAX / cluster) return 0;
