@@ -620,6 +620,8 @@ LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int slices,
 //   99.8 / 87.8 at 4608 (97.9), 99.4 / 91.1 at 5120 (98.0), 100.5 / 94.3 at 5632 (97.6), 100.4 /
 //   96.9 at 6144 (98.6), 99.7 / 99.4 at 7168 (98.9), 98.4 / 99.1 at 8192 (97.0); at 0.6-2.5 L2s
 //   of its tensors 84-103 / 70-85 (compile 74-93).
+// kHeldWideSlices: past it (4096 16-bit columns) such an RMSNorm is the staged forward's, but for
+// that prenorm call.
 constexpr int kHeldWideSlices = 512;
 int plain_held_slices(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
