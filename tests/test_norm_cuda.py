@@ -67,7 +67,9 @@ CLUSTER_ROWS = (
 # the last ones idle; 6152, 769 slices, for a 16-bit RMSNorm staged, or held at 2 slices a thread
 # in 512 threads where the device's DRAM passes 4 TB/s (the call is a prenorm one: the generic
 # API writes residual_out), zero-centred staged everywhere, and 4 slices a thread in 256 float32
-# threads.
+# threads. Past one stage, 16-bit RMSNorms beside a residual take 3 slices a thread up to 3072
+# slices: 20488 columns (2561 slices in 1024 threads, 513 lanes holding a third) and 24576 (every
+# lane full; float32 rows take clusters).
 HELD_ROWS = (
     LAYER.replace(hidden=8192, lead=(9,), residual=True, prenorm=True),
     BASE.replace(hidden=2056, lead=(5,), residual=True),
@@ -77,6 +79,8 @@ HELD_ROWS = (
     BASE.replace(hidden=12296, lead=(3,), residual=True, prenorm=True),
     BASE.replace(hidden=6152, lead=(5,), residual=True),
     BASE.replace(hidden=6152, lead=(5,), residual=True, zero_centered_weight=True),
+    BASE.replace(hidden=20488, lead=(7,), residual=True, prenorm=True),
+    BASE.replace(hidden=24576, lead=(3,), residual=True, zero_centered_weight=True),
 )
 # The plain forward (norm_plain.cuh) takes 16-bit rows without a residual or a gate
 # (test_plain_and_gated_ring_rows), in whole warps: 4 slices a thread below 512 slices, at 1024
@@ -955,9 +959,10 @@ def test_prenorm_by_l2_share(l2s, hidden, dtype, seed):
 # (x, residual, y and residual_out together), and past 0.9 loads x and the residual so too and
 # fetches into L2 the rows 1 MB of x ahead, whose last fetches would fall past the end and must be
 # skipped; past 2.5 all three past 512 slices where at most 60% of the threads hold a slice
-# (held_fwd_fetch, norm_cuda.cu). Rows of 0.6, 1.2 and 3 L2s, at 1032 columns (129 slices: the
-# second slice idle in all lanes but one), 4096, 4104 (513 slices in 512 threads, 257 of them
-# busy: the first row the staged forward takes elsewhere) and 8192.
+# (held_fwd_fetch, norm_cuda.cu). Up to 2.5 L2s its CTAs are whole warps, past that a power of
+# two. Rows of 0.6, 1.2 and 3 L2s, at 1032 columns (129 slices: 65 threads busy of 96, or of 128,
+# the second slice idle in all lanes but one), 4096, 4104 (513 slices, 257 threads busy of 288,
+# or of 512: the first row the staged forward takes elsewhere) and 8192.
 @pytest.mark.parametrize("l2s", [0.6, 1.2, 3])
 @pytest.mark.parametrize("hidden", [1032, 4096, 4104, 8192])
 @half_dtypes

@@ -613,7 +613,12 @@ LeanFwdFetch lean_fwd_fetch(const NormArgs& a, FastFwdInputs inputs, int slices,
 //   of 4 slices (32768 columns), against a cluster of two: 93-95 / 91-93 at 32768, 92 / 83 at
 //   20000, 93 / 88 at 24576. Not for the others, one CTA an SM idling while it reduces: a
 //   LayerNorm's two reductions lost (80 / 84, bf16 at 32768), and so did float32 rows (96 / 97
-//   at 16384) and 16-bit ones beside a float32 stream (the registers spill).
+//   at 16384) and 16-bit ones beside a float32 stream (the registers spill). 3 slices a thread
+//   where 1024 threads hold them (to 24576 columns): fewer threads idle (24576 columns fill all
+//   1024, 768 of them busy at 4), 50 registers against 60. bf16, float32 weight, 2^27 elements, 4
+//   / 3 slices (compile): 90.3 / 91.0 (91.5) at 16400 columns, 94.9 / 96.3 (95.4) at 20480, 98.6
+//   / 99.0 (95.8) at 24576; on a quarter of those rows 84.0 / 84.8 (86.0), 89.3 / 89.0 (89.8),
+//   90.7 / 90.6 (89.2).
 // - the prenorm RMSNorm of 16-bit rows from 4097 to 8192 columns on a device past kFastDram, 2
 //   slices a thread with held_fwd_fetch's plan against the staged forward: one H200, bf16, float32
 //   weight, 2^27 elements (the sweep's rows): 99.3 / 83.0 at 4160 columns (torch.compile 96.1),
@@ -627,8 +632,10 @@ int plain_held_slices(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
   const bool f32 = Dtype(d.dt) == Dtype::F32, same16 = !f32 && d.rt == d.dt;
   const bool residual = a.residual.present();
-  if (!one_stage_fits(a, d))
-    return !a.layer_norm && same16 && nslices <= 4 * kHeldMaxThreads ? 4 : 0;
+  if (!one_stage_fits(a, d)) {
+    if (a.layer_norm || !same16) return 0;
+    return nslices <= 3 * kHeldMaxThreads ? 3 : nslices <= 4 * kHeldMaxThreads ? 4 : 0;
+  }
   if (nslices > 2 * kNormMaxThreads)
     return same16 && residual && nslices <= 4 * kNormMaxThreads ? 4 : 0;
   if (same16 && !residual) return nslices >= 128 ? 4 : 2;
@@ -645,8 +652,9 @@ int plain_held_slices(const NormArgs& a, LeanDtypes d, int device) {
 // loaded so too and the rows kHeldAheadBytes of x ahead are fetched into L2; past kHeldFetchTo all
 // three only past kHeldWideSlices where at most kHeldBusyFetch of the CTA's threads hold a slice
 // (the power of two of threads leaves the rest idle, and the fetch ahead makes up for the bytes
-// they do not keep in flight). One H200, % of copy,
-// direct timing, bf16, float32 weight, none / stores / stores and loads / all three (compile):
+// they do not keep in flight). Up to kHeldFetchTo the CTA is whole warps rather than held_plan's
+// power of two (the last list). One H200, % of copy, direct timing, bf16, float32 weight, a CTA of
+// a power of two, none / stores / stores and loads / all three (compile):
 // - 2048 columns at 0.6 / 0.75 / 0.85 / 0.9 / 1.0 / 1.2 / 1.5 / 2.0 / 2.3 / 3.0 L2s: 97.1 / 103.2
 //   / 76.2 / 84.5 (95.5), 84.8 / 106.3 / 79.4 / 92.1 (92.0), 79.6 / 100.2 / 84.1 / 94.3 (89.8),
 //   77.3 / 93.1 / 87.3 / 92.3 (89.6), 77.9 / 84.8 / 87.8 / 91.5 (89.9), 80.7 / 81.5 / 86.6 /
@@ -669,7 +677,17 @@ int plain_held_slices(const NormArgs& a, LeanDtypes d, int device) {
 //   threads busy), 97.1 / 99.8 at 4608 (288), 99.4 / 99.1 at 5120 (320), 100.5 / 99.0 at 5632,
 //   100.4 / 98.4 at 6144, 98.4 / 96.6 at 8192; narrower rows with threads idle lost or moved
 //   little: 92.3 / 92.1 at 1040 columns (65 of 128 busy), 93.6 / 90.7 at 1160 (73), 93.7 / 96.1
-//   at 2080 (130 of 256), 97.9 / 97.4 at 2304 (144).
+//   at 2080 (130 of 256), 97.9 / 97.4 at 2304 (144);
+// - up to kHeldFetchTo, the fetch plan above, a power of two / whole warps (compile), at 0.5 /
+//   0.75 / 1.0 / 1.5 / 2.5 L2s, both reading the same tensors: 1040 columns (128 threads against
+//   96) 83.1 / 87.3 (86.8), 87.6 / 94.6 (83.4), 87.1 / 89.2 (78.0), 87.4 / 87.1 (76.1), 87.7 /
+//   87.4 (79.6); 1536 (128 against 96) 95.4 / 89.7 (107), 102.1 / 104.8 (93.3), 91.7 / 91.3
+//   (87.5), 89.7 / 89.5 (83.5), 90.1 / 91.0 (88.6); 2056 (256 against 160) 83.5 / 93.3 (90.7),
+//   88.9 / 100.4 (80.2), 85.4 / 89.0 (80.5), 85.8 / 86.4 (77.9), 87.2 / 86.9 (81.8); 4160 (512
+//   against 288) 79.8 / 91.1 (92.7), 86.7 / 101.6 (88.6), 84.1 / 91.7 (74.8), 85.9 / 88.8 (82.6),
+//   88.9 / 89.0 (87.4); 6144 (512 against 384) 84.8 / 84.0 (99.0), 95.3 / 104.6 (94.5), 88.7 /
+//   89.8 (82.7), 87.4 / 88.6 (84.1), 88.0 / 88.9 (88.0). Where the counts match (1800 columns,
+//   128 threads) the two ran within 0.3. At 0.5 L2s compile leads from 1536 columns either way.
 // 16-bit rows beside a float32 stream (residual in and out) load x and the residual, and store y,
 // without L1 allocation at more than kStreamFetchFrom and at most kStreamFetchTo L2s (their
 // bytes: the stream's elements count twice), and fetch nothing ahead. One H200, % of copy,
@@ -687,15 +705,17 @@ constexpr double kHeldFetchFrom = 0.9, kHeldFetchTo = 2.5;
 constexpr double kStreamFetchFrom = 0.8, kStreamFetchTo = 1.5;
 constexpr double kHeldBusyFetch = 0.6;
 constexpr int64_t kHeldAheadBytes = int64_t(1) << 20;
-HeldFwdFetch held_fwd_fetch(const NormArgs& a, LeanDtypes d, int slices, int device) {
+HeldFwdFetch held_fwd_fetch(const NormArgs& a, LeanDtypes d, int slices, int device,
+                            NormPlan& p) {
   HeldFwdFetch f;
   if (slices != 2 || Dtype(d.dt) == Dtype::F32 || !fast_dram(device)) return f;
   if (prenorm_call(a, d)) {
     const double l2s = l2_share(a, device, 4);
-    const int busy = int(ceil_div(slices_of(a), slices));
+    const int nslices = slices_of(a);
     const bool idle =
-        slices_of(a) > kHeldWideSlices && busy <= kHeldBusyFetch * pow2_at_least(busy);
+        nslices > kHeldWideSlices && ceil_div(nslices, slices) <= kHeldBusyFetch * p.threads;
     f.out_no_l1 = l2s <= kHeldFetchTo || idle;
+    if (l2s <= kHeldFetchTo) p.threads = p.block = whole_warps(nslices, slices);
     if (l2s > kHeldFetchFrom && (l2s <= kHeldFetchTo || idle)) {
       f.no_l1 = true;
       f.ahead_rows = ceil_div(kHeldAheadBytes, a.hidden * (slice_bytes(a.x.dtype) / kSlice));
@@ -708,10 +728,10 @@ HeldFwdFetch held_fwd_fetch(const NormArgs& a, LeanDtypes d, int slices, int dev
 }
 
 // The held forward's plan: one plain CTA of plain_held_slices a thread, else, for a segment
-// past one stage, the fewest clustered CTAs that hold it. Returns the slices a thread holds, or
-// 0 where the staged forward takes the call, or more than kMaxCluster CTAs would be needed, or
-// the device runs no clusters.
-int held_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
+// past one stage, the fewest clustered CTAs that hold it; f: how it moves the rows
+// (held_fwd_fetch). Returns the slices a thread holds, or 0 where the staged forward takes the
+// call, or more than kMaxCluster CTAs would be needed, or the device runs no clusters.
+int held_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p, HeldFwdFetch& f) {
   if (a.z.present()) return 0;
   const int nslices = slices_of(a);
   const int plain = plain_held_slices(a, d, device);
@@ -726,6 +746,7 @@ int held_plan(const NormArgs& a, LeanDtypes d, int device, NormPlan& p) {
   p.block = p.threads;
   p.vec = true;
   p.row_blocks = a.rows;
+  f = held_fwd_fetch(a, d, K, device, p);
   return p.row_blocks * a.ngroups * cluster <= INT_MAX ? K : 0;
 }
 
@@ -879,11 +900,12 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
     // Otherwise not one cluster fits on this device: the kernels below.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");
   }
-  const int held = lean.ok ? held_plan(a, lean, device, p) : 0;
+  HeldFwdFetch fetch;
+  const int held = lean.ok ? held_plan(a, lean, device, p, fetch) : 0;
   if (held > 0) {
     const cudaError_t err = with_lean_dtypes(lean, [&](auto dt, auto rt) {
-      return launch_norm_fwd_held<decltype(dt)::value, decltype(rt)::value>(
-          a, p, held, held_fwd_fetch(a, lean, held, device), sms, s);
+      return launch_norm_fwd_held<decltype(dt)::value, decltype(rt)::value>(a, p, held, fetch,
+                                                                            sms, s);
     });
     // Otherwise not one cluster fits on this device: the general kernels below.
     if (err != cudaErrorInvalidClusterSize) return cuda_status(err, "norm_fwd launch");

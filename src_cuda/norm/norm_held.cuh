@@ -23,10 +23,11 @@ namespace ssm {
 // kMinBlocks of them an SM (what caps the registers); kCluster: launched as clusters of
 // p.cluster CTAs, else as plain CTAs; kFetch: the kernel for a fetch plan f (held_fwd_fetch, where
 // f.out_no_l1), 16-bit y and residual_out stored without L1 allocation, x and the residual loaded
-// as f.no_l1 says, the rows f.ahead_rows ahead fetched into L2. The others compile all of it out:
-// a run-time store hint spilled 24 bytes at 40 registers, and the load hint's branches changed
-// the registers of kernels that never take them (44 against 48 for 16-bit rows beside a float32
-// stream). Not persistent: one block (cluster) a segment, so every row a block sees exists, and
+// as f.no_l1 says, the rows f.ahead_rows ahead fetched into L2, in blocks of one segment of any
+// whole number of warps (held_fwd_fetch gives some whole warps rather than a power of two). The
+// others compile all of it out: a run-time store hint spilled 24 bytes at 40 registers, and the
+// load hint's branches changed the registers of kernels that never take them (44 against 48 for
+// 16-bit rows beside a float32 stream). Not persistent: one block (cluster) a segment, so every row a block sees exists, and
 // a new one starts loading the moment one ends.
 template <int kDt, int kRt, int K, int kMaxThreads, int kMinBlocks, bool kCluster,
           bool kFetch = false>
@@ -37,7 +38,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
   __shared__ float red[2][kMaxThreads / 32];
   __shared__ ClusterInbox<1> inbox[kCluster ? 2 : 1];  // one a reduction
   if (kCluster) cluster_inbox_init(inbox);
-  const Place at(a, p, kCluster);
+  Place at(a, p, kCluster);
+  if (kFetch) at.lane = threadIdx.x;  // Place masks by a power of two
   const int T = p.threads;
   const int64_t r = at.row_block;
   const bool residual = a.residual.present();
@@ -69,7 +71,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
   if (kCluster) cluster_inbox_ready();
   auto row_sum = [&](float v, int i) {
     float q[1] = {v};
-    segment_sum<1, kMaxThreads>(q, T, red[i], true);
+    segment_sum<1, kMaxThreads, kFetch>(q, T, red[i], true);
     if constexpr (kCluster)
       cluster_push_sum(q, inbox[i], p.cluster, int(blockIdx.x % p.cluster), 0);
     return q[0];
@@ -147,6 +149,12 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, Hel
       return launch_rows<false>(
           norm_fwd_held_kernel<kDt, kRt, 4, held_wide_threads(Dtype(kDt)), 1, false>, a, p, sms,
           stream, 0, false, f);
+    if constexpr (Dtype(kDt) != Dtype::F32) {
+      if (slices == 3)
+        return launch_rows<false>(
+            norm_fwd_held_kernel<kDt, kRt, 3, kHeldMaxThreads, 1, false>, a, p, sms, stream, 0,
+            false, f);
+    }
   }
   return cudaErrorInvalidConfiguration;  // held_plan plans none of these
 }

@@ -328,7 +328,7 @@ cudaError_t launch_norm_fwd_staged(const NormArgs& a, NormPlan& p, int sms, cuda
 
 // The held forward (norm_held.cuh): the lean forward's calls without a gate past
 // kFastFwdSlices slices that held_plan (norm_cuda.cu) gives it, each thread holding `slices`
-// slices in registers, one block a segment, in one of three shapes:
+// slices in registers, one block a segment, in one of four shapes:
 // - clusters of p.cluster > 1 CTAs of up to kNormMaxThreads threads, held_slices(x's dtype)
 //   slices a thread, two CTAs an SM, p.cta_slices slices each (sm_90 and later; it returns
 //   cudaErrorInvalidClusterSize, launching nothing, when not one cluster fits on the device).
@@ -339,6 +339,8 @@ cudaError_t launch_norm_fwd_staged(const NormArgs& a, NormPlan& p, int sms, cuda
 //   of their dtype or none: 16-bit ones up to kHeldMaxThreads in 60 registers (one CTA of 1024
 //   threads an SM, two of 512, four of 256), float32 ones up to 256 threads in 88 (two CTAs an
 //   SM; held to one 1024-thread CTA they would spill).
+// - one plain CTA of up to kHeldMaxThreads threads, 3 slices a thread, 16-bit rows beside a
+//   stream of their dtype or none past one stage (to 24576 columns), in 50 registers.
 // - one plain CTA of up to kNormMaxThreads threads, 2 slices a thread, held_narrow_blocks of
 //   them an SM: three for 16-bit rows beside a stream of their dtype (40 registers), else as
 //   many as 2 * kNormMaxThreads threads allow (48 registers for 16-bit x beside a float32
