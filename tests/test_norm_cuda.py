@@ -960,11 +960,13 @@ def test_prenorm_by_l2_share(l2s, hidden, dtype, seed):
 # fetches into L2 the rows 1 MB of x ahead, whose last fetches would fall past the end and must be
 # skipped; past 2.5 all three past 512 slices where at most 60% of the threads hold a slice
 # (held_fwd_fetch, norm_cuda.cu). Up to 2.5 L2s its CTAs are whole warps, past that a power of
-# two. Rows of 0.6, 1.2 and 3 L2s, at 1032 columns (129 slices: 65 threads busy of 96, or of 128,
-# the second slice idle in all lanes but one), 4096, 4104 (513 slices, 257 threads busy of 288,
-# or of 512: the first row the staged forward takes elsewhere) and 8192.
+# two. Wider rows, 3 or 4 slices a thread, store without L1 and fetch 1 MB ahead past 2.5 L2s.
+# Rows of 0.6, 1.2 and 3 L2s, at 1032 columns (129 slices: 65 threads busy of 96, or of 128, the
+# second slice idle in all lanes but one), 4096, 4104 (513 slices, 257 threads busy of 288, or of
+# 512: the first row the staged forward takes elsewhere), 8192, 12296 (4 slices a thread, 1537 in
+# 512 threads) and 20488 (3 a thread, 2561 in 1024 threads).
 @pytest.mark.parametrize("l2s", [0.6, 1.2, 3])
-@pytest.mark.parametrize("hidden", [1032, 4096, 4104, 8192])
+@pytest.mark.parametrize("hidden", [1032, 4096, 4104, 8192, 12296, 20488])
 @half_dtypes
 def test_held_prenorm_by_l2_share(l2s, hidden, dtype, seed):
     prenorm_at_l2_share(l2s, hidden, dtype, seed, 7)

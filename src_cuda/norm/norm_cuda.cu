@@ -645,15 +645,18 @@ int plain_held_slices(const NormArgs& a, LeanDtypes d, int device) {
   return 2;
 }
 
-// How the held forward moves the rows of a prenorm call of 16-bit rows at 2 slices a thread
-// (1025-8192 columns; HeldFwdFetch, norm_plan.h) on a device past kFastDram, by the share of the
-// L2 that x, the residual, y and residual_out take (l2_share): up to kHeldFetchTo L2s y and
-// residual_out are stored without L1 allocation, and past kHeldFetchFrom x and the residual are
-// loaded so too and the rows kHeldAheadBytes of x ahead are fetched into L2; past kHeldFetchTo all
-// three only past kHeldWideSlices where at most kHeldBusyFetch of the CTA's threads hold a slice
-// (the power of two of threads leaves the rest idle, and the fetch ahead makes up for the bytes
-// they do not keep in flight). Up to kHeldFetchTo the CTA is whole warps rather than held_plan's
-// power of two (the last list). One H200, % of copy, direct timing, bf16, float32 weight, a CTA of
+// How the held forward's plain CTA moves the rows of a prenorm call of 16-bit rows on a device
+// past kFastDram (HeldFwdFetch, norm_plan.h). At 3 or 4 slices a thread (8193-32768 columns)
+// only past kHeldFetchTo L2s: y and residual_out stored without L1 allocation and the rows
+// kHeldAheadBytes of x ahead fetched into L2 (the last list below). At 2 slices (1025-8192
+// columns), by the share of the L2 that x, the residual, y and residual_out take (l2_share): up
+// to kHeldFetchTo L2s y and residual_out are stored without L1 allocation, and past
+// kHeldFetchFrom x and the residual are loaded so too and the rows kHeldAheadBytes of x ahead are
+// fetched into L2; past kHeldFetchTo all three only past kHeldWideSlices where at most
+// kHeldBusyFetch of the CTA's threads hold a slice (the power of two of threads leaves the rest
+// idle, and the fetch ahead makes up for the bytes they do not keep in flight). Up to
+// kHeldFetchTo the CTA is whole warps rather than held_plan's power of two (the list before the
+// last). One H200, % of copy, direct timing, bf16, float32 weight, 2 slices a thread in a CTA of
 // a power of two, none / stores / stores and loads / all three (compile):
 // - 2048 columns at 0.6 / 0.75 / 0.85 / 0.9 / 1.0 / 1.2 / 1.5 / 2.0 / 2.3 / 3.0 L2s: 97.1 / 103.2
 //   / 76.2 / 84.5 (95.5), 84.8 / 106.3 / 79.4 / 92.1 (92.0), 79.6 / 100.2 / 84.1 / 94.3 (89.8),
@@ -687,7 +690,15 @@ int plain_held_slices(const NormArgs& a, LeanDtypes d, int device) {
 //   against 288) 79.8 / 91.1 (92.7), 86.7 / 101.6 (88.6), 84.1 / 91.7 (74.8), 85.9 / 88.8 (82.6),
 //   88.9 / 89.0 (87.4); 6144 (512 against 384) 84.8 / 84.0 (99.0), 95.3 / 104.6 (94.5), 88.7 /
 //   89.8 (82.7), 87.4 / 88.6 (84.1), 88.0 / 88.9 (88.0). Where the counts match (1800 columns,
-//   128 threads) the two ran within 0.3. At 0.5 L2s compile leads from 1536 columns either way.
+//   128 threads) the two ran within 0.3. At 0.5 L2s compile leads from 1536 columns either way;
+// - 3 or 4 slices a thread, 2^27 elements, none / stores and 1 MB ahead (compile): 100.4 / 101.0
+//   (96.2) at 9216 columns, 98.1 / 100.4 (96.2) at 12288, 97.7 / 99.9 (95.6) at 16384, 97.4 /
+//   99.9 (95.7) at 20480, 98.4 / 99.8 (95.1) at 24576, 97.8 / 99.5 (95.0) at 28672, 97.3 / 98.6
+//   (94.5) at 32768. Without the fetch the speed moved with where the tensors lay: 90.1 / 99.7
+//   (95.3) at 24576 in another process, each call behind a spin (the bench read 0.96x compile
+//   there). At 4 L2s 92.6 / 93.3 (89.7) at 9216, 90.4 / 91.2 (90.3) at 16384, 88.8 / 89.9 (87.6)
+//   at 24576, 85.9 / 86.8 (82.9) at 32768; at 0.5-2 L2s from -5 (32768 columns on 119 rows) to
+//   +2.5. Loading x and the residual without L1 as well lost 2-4 points.
 // 16-bit rows beside a float32 stream (residual in and out) load x and the residual, and store y,
 // without L1 allocation at more than kStreamFetchFrom and at most kStreamFetchTo L2s (their
 // bytes: the stream's elements count twice), and fetch nothing ahead. One H200, % of copy,
@@ -708,8 +719,12 @@ constexpr int64_t kHeldAheadBytes = int64_t(1) << 20;
 HeldFwdFetch held_fwd_fetch(const NormArgs& a, LeanDtypes d, int slices, int device,
                             NormPlan& p) {
   HeldFwdFetch f;
-  if (slices != 2 || Dtype(d.dt) == Dtype::F32 || !fast_dram(device)) return f;
-  if (prenorm_call(a, d)) {
+  if (Dtype(d.dt) == Dtype::F32 || !fast_dram(device) || p.cluster > 1) return f;
+  const int64_t ahead = ceil_div(kHeldAheadBytes, a.hidden * (slice_bytes(a.x.dtype) / kSlice));
+  if (prenorm_call(a, d) && slices > 2) {
+    f.out_no_l1 = l2_share(a, device, 4) > kHeldFetchTo;
+    f.ahead_rows = f.out_no_l1 ? ahead : 0;
+  } else if (prenorm_call(a, d)) {
     const double l2s = l2_share(a, device, 4);
     const int nslices = slices_of(a);
     const bool idle =
@@ -718,9 +733,10 @@ HeldFwdFetch held_fwd_fetch(const NormArgs& a, LeanDtypes d, int slices, int dev
     if (l2s <= kHeldFetchTo) p.threads = p.block = whole_warps(nslices, slices);
     if (l2s > kHeldFetchFrom && (l2s <= kHeldFetchTo || idle)) {
       f.no_l1 = true;
-      f.ahead_rows = ceil_div(kHeldAheadBytes, a.hidden * (slice_bytes(a.x.dtype) / kSlice));
+      f.ahead_rows = ahead;
     }
-  } else if (Dtype(d.rt) == Dtype::F32 && a.residual.present() && a.residual_out.present()) {
+  } else if (slices == 2 && Dtype(d.rt) == Dtype::F32 && a.residual.present() &&
+             a.residual_out.present()) {
     const double l2s = l2_share(a, device, 6);
     f.no_l1 = f.out_no_l1 = l2s > kStreamFetchFrom && l2s <= kStreamFetchTo;
   }

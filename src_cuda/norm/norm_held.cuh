@@ -27,8 +27,8 @@ namespace ssm {
 // whole number of warps (held_fwd_fetch gives some whole warps rather than a power of two). The
 // others compile all of it out: a run-time store hint spilled 24 bytes at 40 registers, and the
 // load hint's branches changed the registers of kernels that never take them (44 against 48 for
-// 16-bit rows beside a float32 stream). Not persistent: one block (cluster) a segment, so every row a block sees exists, and
-// a new one starts loading the moment one ends.
+// 16-bit rows beside a float32 stream). Not persistent: one block (cluster) a segment, so every
+// row a block sees exists, and a new one starts loading the moment one ends.
 template <int kDt, int kRt, int K, int kMaxThreads, int kMinBlocks, bool kCluster,
           bool kFetch = false>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
@@ -144,17 +144,23 @@ cudaError_t launch_norm_fwd_held(const NormArgs& a, NormPlan& p, int slices, Hel
     return launch_rows<false>(norm_fwd_held_kernel<kDt, kRt, 2, kNormMaxThreads, kBlocks, false>,
                               a, p, sms, stream, 0, false, f);
   }
+  if constexpr (kSame16) {
+    if (slices == 4 && f.out_no_l1)
+      return launch_rows<false>(norm_fwd_held_kernel<kDt, kRt, 4, kHeldMaxThreads, 1, false, true>,
+                                a, p, sms, stream, 0, false, f);
+    if (slices == 3)
+      return f.out_no_l1
+                 ? launch_rows<false>(
+                       norm_fwd_held_kernel<kDt, kRt, 3, kHeldMaxThreads, 1, false, true>, a, p,
+                       sms, stream, 0, false, f)
+                 : launch_rows<false>(norm_fwd_held_kernel<kDt, kRt, 3, kHeldMaxThreads, 1, false>,
+                                      a, p, sms, stream, 0, false, f);
+  }
   if constexpr (kDt == kRt) {
     if (slices == 4)
       return launch_rows<false>(
           norm_fwd_held_kernel<kDt, kRt, 4, held_wide_threads(Dtype(kDt)), 1, false>, a, p, sms,
           stream, 0, false, f);
-    if constexpr (Dtype(kDt) != Dtype::F32) {
-      if (slices == 3)
-        return launch_rows<false>(
-            norm_fwd_held_kernel<kDt, kRt, 3, kHeldMaxThreads, 1, false>, a, p, sms, stream, 0,
-            false, f);
-    }
   }
   return cudaErrorInvalidConfiguration;  // held_plan plans none of these
 }

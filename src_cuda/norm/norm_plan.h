@@ -359,9 +359,9 @@ __host__ __device__ constexpr int held_wide_threads(Dtype x) {
 }
 // How the held forward moves its rows (held_fwd_fetch, norm_cuda.cu, says where and why): x
 // and the residual loaded without allocating them in L1; 16-bit y and residual_out stored so;
-// the rows ahead_rows past a CTA's own fetched into L2, 0 for none. Only the plain CTA of 2
-// slices a thread for 16-bit x takes one, and only where out_no_l1 (which picks its kernel:
-// norm_fwd_held_kernel's kFetch). A kernel argument of its own rather than fields of
+// the rows ahead_rows past a CTA's own fetched into L2, 0 for none. Only plain CTAs of 16-bit x
+// take one (of 2 slices a thread, or of 3 or 4 for a prenorm call), and only where out_no_l1
+// (which picks its kernel: norm_fwd_held_kernel's kFetch). A kernel argument of its own rather than fields of
 // NormPlan, for the reason `slices` is one.
 struct HeldFwdFetch {
   int64_t ahead_rows = 0;
