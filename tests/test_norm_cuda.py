@@ -98,7 +98,9 @@ HELD_ROWS = (
 # a LayerNorm's: five of 922, the last 921, six and eight full ones); a LayerNorm's: two CTAs of
 # 1152 slices, 8 a thread in 160 threads (18432), of 1280 (20480), of 1537 and 1536 in 224 threads
 # (24584), and past 4096 slices CTAs of up to 1024 in 128 threads: five of 922, the last 921 (36872
-# columns), six of 854, the last 851 (40968), eight full ones (65536, on three rows).
+# columns), six of 854, the last 851 (40968), eight full ones (65536, on three rows). Where the
+# DRAM passes 4 TB/s the ring forward takes a LayerNorm's rows past 2048 slices instead
+# (ring_fwd_plan, norm_cuda.cu), in the clusters ring_fwd_cluster gives them.
 PLAIN_ROWS = (
     LAYER.replace(hidden=1024, lead=(3,)),
     LAYER.replace(hidden=1040, lead=(13,)),
@@ -529,8 +531,9 @@ def test_residual_ring_rows(case, dtype, stream, seed):
 # forward's clusters (norm_plain.cuh), on rows whose variance a float32 sum of squares around a
 # poorly chosen centre would lose: one element in 8192 far from the others, which are equal (the
 # first of every CTA's share beside a float32 stream, eight ring CTAs of 1024 slices; of the
-# first CTA's without a residual, five plain ones of 922, or two of 1537), or every element far
-# from zero. At column 0 the far element is its thread's first and its warp's lane 0's.
+# first CTA's without a residual, five plain ones of 922, or two of 1537, or, where the DRAM passes
+# 4 TB/s, the ring forward's CTAs), or every element far from zero. At column 0 the far element is
+# its thread's first and its warp's lane 0's.
 @pytest.mark.parametrize("case", (LAYER.replace(hidden=36872, lead=(300,)),
                                   LAYER.replace(hidden=24584, lead=(300,)),
                                   LAYER.replace(hidden=65536, residual=True, lead=(150,))),

@@ -797,12 +797,14 @@ int ring_fwd_plan(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
   const int cluster = ring_fwd_cluster(nslices, Dtype(d.rt));
   const bool residual = a.residual.present() || a.residual_out.present();
+  const bool alone = a.layer_norm && !a.z.present() && !residual && d.rt == d.dt &&
+                     nslices >= kRingLayerMinSlices && fast_dram(device);
   const bool gated = a.z.present() && !a.layer_norm && d.rt == d.dt && !residual &&
                      nslices >= kRingGatedMinSlices;
   const bool f32_layer = a.layer_norm && Dtype(d.rt) == Dtype::F32;
   const bool stream = !a.z.present() && a.residual.present() &&
                       nslices >= (f32_layer ? kRingStreamLayerMinSlices : kRingFwdMinSlices);
-  return (gated || stream) && Dtype(d.dt) != Dtype::F32 && a.ngroups == 1 &&
+  return (alone || gated || stream) && Dtype(d.dt) != Dtype::F32 && a.ngroups == 1 &&
                  cluster <= kMaxCluster && a.rows <= INT_MAX / cluster &&
                  cluster_kernels_run(device)
              ? cluster

@@ -489,8 +489,9 @@ constexpr int kRingMinSlices = 2 * kNormMaxThreads + 1, kRingAloneMinSlices = 51
 template <int kDt, int kRt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
-// The ring forward (norm_ring.cuh): whole rows of 16-bit x in one group, gated (an RMSNorm
-// without a residual) or beside a residual (its stream in x's dtype or float32, no gate), in
+// The ring forward (norm_ring.cuh): whole rows of 16-bit x in one group, a LayerNorm alone from
+// kRingLayerMinSlices on a device past kFastDram, gated (an RMSNorm without a residual) or beside
+// a residual (its stream in x's dtype or float32, no gate), in
 // persistent clusters of at least ceil(nslices / kRingFwdCtaSlices) CTAs (one up to 8192 columns;
 // ring_fwd_cluster, below), ring_slices(stream dtype) slices a thread, x and the second operand
 // copied by the bulk-copy engine into kRingFwdStages stages (ring_fwd_bytes: 96 KB a 1024-slice CTA
@@ -502,7 +503,10 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 //   (above): a LayerNorm from 2049 slices (68 / 72 at 20480 columns, 72 / 83 at 24576, 78 / 86
 //   at 32768, 75 / 81 at 40960 and 49152, 78 / 82 at 65536 against the plain forward's clusters
 //   a wave ahead below 4097 slices and a ring forward holding x in registers from there), an
-//   RMSNorm from 4097 (91-93).
+//   RMSNorm from 4097 (91-93). Where the DRAM passes kFastDram (the H200) the plain clusters,
+//   occupancy-bound (80 registers, three 256-thread CTAs an SM), still trail it, and a LayerNorm
+//   alone takes it again from kRingLayerMinSlices: the bench (2^27 elements, bf16), the plain
+//   clusters / the ring forward (torch.compile), TB/s: SESSION63.
 // - the gate from kRingGatedMinSlices, against the staged forward: 85 / 94 at 5120 columns, 91
 //   / 93 at 6144, 79 / 96 at 10240, 83 / 93-94 at 12288, 88 / 92 at 16384, 61 / 86 at 20480,
 //   60-66 / 91-94 from 24576 to 65536. The staged forward stays ahead at 4096 (97 / 93) and
@@ -537,7 +541,7 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 // three runs), 88.3 / 96.2 at 45056, 88.7 / 96.4 at 49152, 96.3 / 96.8 at 57344, and level at
 // 40960 (95.3 / 95.3).
 constexpr int kRingFwdStages = 3, kRingFwdCtaSlices = 1024, kRingFwdMinSlices = 4097;
-constexpr int kRingGatedMinSlices = 513;
+constexpr int kRingGatedMinSlices = 513, kRingLayerMinSlices = 2049;
 constexpr int kRingStreamLayerMinSlices = 1281, kRingBalancedFrom = 3;
 constexpr int kRingStreamWideCtaSlices = 512, kRingStreamEightAfter = 5120;
 template <int kDt, int kRt>
@@ -569,10 +573,11 @@ inline size_t ring_bytes(const NormPlan& p, Dtype r) {
 }
 
 // The ring forward's dynamic shared memory: the stages of p.cta_slices slices of x and of the
-// second operand (z, or the residual in the stream's dtype r).
-inline size_t ring_fwd_bytes(const NormPlan& p, Dtype r) {
+// second operand (z, or the residual in the stream's dtype r; none for the norm alone).
+inline size_t ring_fwd_bytes(const NormArgs& a, const NormPlan& p, Dtype r) {
+  const unsigned second = a.z.present() || a.residual.present() ? slice_bytes(r) : 0;
   return kRingFwdStages * ring_stage_bytes(unsigned(p.cta_slices) * 16u,
-                                           unsigned(p.cta_slices) * slice_bytes(r));
+                                           unsigned(p.cta_slices) * second);
 }
 
 // Bytes the staged forward keeps of one slice: x (and z), then the residual.

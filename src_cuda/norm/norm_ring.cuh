@@ -2,8 +2,8 @@
 // bulk-copy engine, each row's copies issued rows ahead by one thread a CTA, so no register holds
 // them in flight; persistent CTAs (clusters) walk down the rows. The backward (dx, dweight, dbias)
 // of the norm alone past 512 slices or beside a float32 stream past 1024; the forward (below, after
-// the backward) of a gated RMSNorm, or of an RMSNorm or LayerNorm beside a residual (norm_plan.h
-// says from which widths). The lean backward (norm_fast_bwd.cuh) keeps the next row in registers;
+// the backward) of a LayerNorm alone where the DRAM is fast, of a gated RMSNorm, or of an RMSNorm
+// or LayerNorm beside a residual (norm_plan.h says from which widths). The lean backward (norm_fast_bwd.cuh) keeps the next row in registers;
 // with the dweight and dbias sums there too, its 128 registers a thread allow 512 threads an SM,
 // 32 KB of x and dy in flight an SM at 16384 columns, shared by the four CTAs of a cluster meeting
 // every row: 71% of copy (one H200, LayerNorm, bf16, direct timing). The ring backward issues each
@@ -16,6 +16,8 @@
 // and dbias sums are row b of p.partial (p.row_blocks row blocks). Included only by the
 // instantiation files.
 #pragma once
+
+#include <type_traits>
 
 #include "../common/bulk_copy.cuh"
 #include "norm_fast.cuh"
@@ -239,10 +241,11 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
   }
 }
 
-// The ring forward: y, mean and rstd of whole rows of 16-bit x with a second operand, shared by the
-// p.cluster CTAs of a thread-block cluster (p.cta_slices each; sm_90 and later) that add their sums
-// through distributed shared memory, x and the second operand brought into a ring of kRingFwdStages
-// stages (one group; norm_plan.h). kOp (RingOp):
+// The ring forward: y, mean and rstd of whole rows of 16-bit x, alone or with a second operand,
+// shared by the p.cluster CTAs of a thread-block cluster (p.cta_slices each; sm_90 and later)
+// that add their sums through distributed shared memory, x and the second operand brought into a
+// ring of kRingFwdStages stages (one group; norm_plan.h). kOp (RingOp):
+// - kRingAlone: the LayerNorm of x (an RMSNorm alone takes the plain forward);
 // - kRingGateFirst: an RMSNorm of g = x silu(z), y = norm(g) w (+ b) (Mamba-2's RMSNormGated);
 // - kRingGateAfter: an RMSNorm of g = x, y = (norm(g) w (+ b)) silu(z);
 // - kRingResidual: g = x + residual, the stream s in kRt (kDt or float32), stored as
@@ -253,8 +256,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
 // one of the thread's own elements, so n (mean - c)^2 <= n m2 with n <= 32), segment_moments
 // combines the CTA's threads' and the CTAs combine theirs in one cluster round. One H200, bf16, %
 // of copy, against the CTA's mean and then its deviations (a second read of the stage, a second
-// round): the LayerNorm alone (which took the ring forward then) 83 / 87 at 24576 columns, 86 / 89
-// at 32768, 81-82 / 85-86 at 40960 and 49152, 83 / 87 at 65536; beside a float32 stream level at
+// round): the LayerNorm alone 83 / 87 at 24576 columns, 86 / 89 at 32768, 81-82 / 85-86 at 40960 and 49152, 83 / 87 at 65536; beside a float32 stream level at
 // 40960 and 65536 (88-91), but 89 / 84 at 49152 (six CTAs of 1024 slices in 512 threads; not
 // understood). The same sums around the first g of the CTA's share ran as fast but lost ~1e-3 of
 // the variance where that g stands far from the rest (test_ring_layer_norm_moments). The first pass
@@ -264,7 +266,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
 // refilled once the next row's reduction barrier has passed. The scale and bias are held in
 // registers for the whole walk (persistent clusters: cluster c takes rows c, c + clusters, ...). K
 // slices a thread.
-enum RingOp { kRingGateFirst = 1, kRingGateAfter = 2, kRingResidual = 3 };
+enum RingOp { kRingAlone = 0, kRingGateFirst = 1, kRingGateAfter = 2, kRingResidual = 3 };
 template <int kDt, int kRt, int kOp, bool kLayer, int K>
 __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
     const NormArgs a, const NormPlan p) {
@@ -272,8 +274,8 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
   constexpr Dtype D = Dtype(kDt), R = Dtype(kOp == kRingResidual ? kRt : kDt);
   constexpr int S = kRingFwdStages;
   // 16-byte units of a slice of the second operand; g is kept in float32 unless it is x.
-  constexpr int BQ = slice_bytes(R) / 16;
-  constexpr bool kKeep = kOp != kRingGateAfter;
+  constexpr int BQ = kOp == kRingAlone ? 0 : slice_bytes(R) / 16;
+  constexpr bool kKeep = kOp != kRingGateAfter && kOp != kRingAlone;
   static_assert(D != Dtype::F32, "a slice of x is one 16-byte copy");
   __shared__ uint64_t landed[S];
   __shared__ float red[2][kNormMaxThreads / 32 * (kLayer ? 3 : 1)];
@@ -297,7 +299,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
   // 88 / 89).
   constexpr unsigned kLead = kOp == kRingGateFirst || kOp == kRingGateAfter ? 64u : 0u;
   const int2 regions = ring_regions<kLead>(ring, row_share(a.x, D, row0, col(0)), x_share,
-                                           row_share(second, R, row0, col(0)));
+                                           BQ > 0 ? row_share(second, R, row0, col(0)) : nullptr);
   const int b_at = regions.y - regions.x;
   const int stage_units = int(ring_stage_bytes(x_share, x_share * BQ) / 16u);
   auto stage_of = [&](int j) { return ring + regions.x + size_t(j % S) * stage_units; };
@@ -315,7 +317,8 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
     const unsigned x_bytes = unsigned(n) * 16u, b_bytes = unsigned(n) * 16u * BQ;
     mbarrier_expect_bytes(bar, x_bytes + b_bytes);
     bulk_copy_to_shared(stage, row_share(a.x, D, r, col(0)), x_bytes, bar);
-    bulk_copy_to_shared(stage + b_at, row_share(second, R, r, col(0)), b_bytes, bar);
+    if (BQ > 0)
+      bulk_copy_to_shared(stage + b_at, row_share(second, R, r, col(0)), b_bytes, bar);
   };
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -422,19 +425,22 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
     // The CTA's statistics: a LayerNorm's moments, an RMSNorm's sum of g^2.
     Moments m = {shift + acc * inv_held, fmaxf(acc2 - acc * (acc * inv_held), 0.f), held};
     float t[1] = {acc};
-    // The moments combine from the mean (CenteredMoments), not around the first lane's mean
-    // (ShiftedMoments). One H200, bf16, % of copy, direct timing, Shifted / Centered beside a
-    // float32 stream: 87 / 92 at 49152 columns (six CTAs of 1024 slices in 512 threads), 86 / 89
-    // at 28672, but 91 / 89 at 18432 and 20480 (benchmarks/NOTES_norm.md).
+    // The moments combine around the first lane's mean (ShiftedMoments) for the norm alone, from
+    // the mean (CenteredMoments) beside a stream. One H200, bf16, % of copy, direct timing,
+    // Shifted / Centered: beside a float32 stream 87 / 92 at 49152 columns (six CTAs of 1024
+    // slices in 512 threads), 86 / 89 at 28672, but 91 / 89 at 18432 and 20480; alone 90 / 88 at
+    // 18432, 91 / 86 at 21504, 90 / 86 at 36864 (threads holding unequal counts), 91 / 91 from
+    // 40960, but 88-90 / 89-91 at 20480 to 32768 (benchmarks/NOTES_norm.md).
+    using RowMoments = std::conditional_t<kOp == kRingAlone, ShiftedMoments, CenteredMoments>;
     if constexpr (kLayer)
-      segment_moments<kNormMaxThreads, false, CenteredMoments>(m, T, rb);
+      segment_moments<kNormMaxThreads, false, RowMoments>(m, T, rb);
     else
       segment_sum<1>(t, T, rb, true);
     // Past that barrier every thread is done with the previous row's stage: refill it.
     if (threadIdx.x == 0 && j > 0) issue(j - 1 + S);
     // The row's, merged across the cluster.
     if constexpr (kLayer)
-      cluster_reduce(m, inbox[j & 1], p.cluster, rank, (j >> 1) & 1, CenteredMoments());
+      cluster_reduce(m, inbox[j & 1], p.cluster, rank, (j >> 1) & 1, RowMoments());
     else
       cluster_push_sum(t, inbox[j & 1], p.cluster, rank, (j >> 1) & 1);
     const float mean = kLayer ? m[0] : 0.f;
@@ -445,10 +451,16 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
       if (a.rstd.present()) store_stat(a.rstd, r, 0, rstd);
     }
     uint16_t* y = static_cast<uint16_t*>(a.y.data) + r * a.y.stride[0];
+    // The norm alone: g rstd - mean rstd in one FFMA, not (g - mean) rstd in two. Its ring
+    // forward is bound by instruction issue (benchmarks/NOTES_norm.md), and this ran it 1-2
+    // points faster (one H200, bf16, 87-90% of copy at 24576-65536 columns); beside a float32
+    // stream it lost 0.3-0.7. The rounding of mean rstd moves xhat by |mean| / std * 2^-24, below
+    // the 16-bit output's resolution wherever 16-bit input can resolve the row's deviations.
+    const float shift_out = -mean * rstd;
     each_g(xs, [&](int k, int v, Slice& g) {
 #pragma unroll
       for (int e = 0; e < kSlice; ++e) {
-        const float xhat = (g[e] - mean) * rstd;
+        const float xhat = kOp == kRingAlone ? fmaf(g[e], rstd, shift_out) : (g[e] - mean) * rstd;
         g[e] = fmaf(xhat, w[k][e], b[k][e]);
       }
       if constexpr (kOp == kRingGateAfter) {
@@ -468,11 +480,14 @@ cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
   auto kernel = a.layer_norm ? norm_fwd_ring_kernel<kDt, kRt, kRingResidual, true, K>
                              : norm_fwd_ring_kernel<kDt, kRt, kRingResidual, false, K>;
   if constexpr (kDt == kRt) {
+    // The norm alone takes the ring forward as a LayerNorm only (ring_fwd_plan, norm_cuda.cu).
+    if (!a.z.present() && !a.residual.present())
+      kernel = norm_fwd_ring_kernel<kDt, kRt, kRingAlone, true, K>;
     if (a.z.present())
       kernel = a.norm_before_gate ? norm_fwd_ring_kernel<kDt, kRt, kRingGateAfter, false, K>
                                   : norm_fwd_ring_kernel<kDt, kRt, kRingGateFirst, false, K>;
   }
-  return launch_rows<true>(kernel, a, p, sms, stream, ring_fwd_bytes(p, Dtype(kRt)));
+  return launch_rows<true>(kernel, a, p, sms, stream, ring_fwd_bytes(a, p, Dtype(kRt)));
 }
 
 template <int kDt, int kRt>
