@@ -360,9 +360,9 @@ __host__ __device__ constexpr int held_wide_threads(Dtype x) {
 // How the held forward moves its rows (held_fwd_fetch, norm_cuda.cu, says where and why): x
 // and the residual loaded without allocating them in L1; 16-bit y and residual_out stored so;
 // the rows ahead_rows past a CTA's own fetched into L2, 0 for none. Only plain CTAs of 16-bit x
-// take one (of 2 slices a thread, or of 3 or 4 for a prenorm call), and only where out_no_l1
-// (which picks its kernel: norm_fwd_held_kernel's kFetch). A kernel argument of its own rather than fields of
-// NormPlan, for the reason `slices` is one.
+// take one (of 2 slices a thread, or of 3 or 4 for a prenorm call), and only where out_no_l1 (which
+// picks its kernel: norm_fwd_held_kernel's kFetch). A kernel argument of its own rather than fields
+// of NormPlan, for the reason `slices` is one.
 struct HeldFwdFetch {
   int64_t ahead_rows = 0;
   bool no_l1 = false, out_no_l1 = false;
@@ -505,8 +505,12 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 //   a wave ahead below 4097 slices and a ring forward holding x in registers from there), an
 //   RMSNorm from 4097 (91-93). Where the DRAM passes kFastDram (the H200) the plain clusters,
 //   occupancy-bound (80 registers, three 256-thread CTAs an SM), still trail it, and a LayerNorm
-//   alone takes it again from kRingLayerMinSlices: the bench (2^27 elements, bf16), the plain
-//   clusters / the ring forward (torch.compile), TB/s: SESSION63.
+//   alone takes it again from kRingLayerMinSlices. One H200, bf16, float32 weight and bias, 2^27
+//   elements, direct timing, % of copy, the plain clusters / the ring forward (torch.compile):
+//   73.8 / 90.6 (66.8) at 18432 columns, 77.5 / 89.1 (67.9) at 20480, 81.6 / 91.9 (67.8) at
+//   24576, 79.7 / 90.9 (66.0) at 32768, 77.6 / 92.2 (55.2) at 49152, 75.9 / 92.4 (54.4) at 65536;
+//   the bench 3.74-3.82 TB/s from 20480 to 65536 (89.7-91.5% of copy), the plain clusters'
+//   3.03-3.27 from 24576.
 // - the gate from kRingGatedMinSlices, against the staged forward: 85 / 94 at 5120 columns, 91
 //   / 93 at 6144, 79 / 96 at 10240, 83 / 93-94 at 12288, 88 / 92 at 16384, 61 / 86 at 20480,
 //   60-66 / 91-94 from 24576 to 65536. The staged forward stays ahead at 4096 (97 / 93) and

@@ -3,14 +3,15 @@
 // them in flight; persistent CTAs (clusters) walk down the rows. The backward (dx, dweight, dbias)
 // of the norm alone past 512 slices or beside a float32 stream past 1024; the forward (below, after
 // the backward) of a LayerNorm alone where the DRAM is fast, of a gated RMSNorm, or of an RMSNorm
-// or LayerNorm beside a residual (norm_plan.h says from which widths). The lean backward (norm_fast_bwd.cuh) keeps the next row in registers;
-// with the dweight and dbias sums there too, its 128 registers a thread allow 512 threads an SM,
-// 32 KB of x and dy in flight an SM at 16384 columns, shared by the four CTAs of a cluster meeting
-// every row: 71% of copy (one H200, LayerNorm, bf16, direct timing). The ring backward issues each
-// row's copies two rows ahead (128 KB an SM at 16384 columns); a CTA holds whole rows up to 16384
-// columns, so no cluster there: 84% (norm_plan.h). Past that the CTAs of a cluster share a row,
-// each with a ring of its share. Each thread reads its slices from the stage twice (the sums, then
-// the outputs after the row's reduction), so no register keeps them across it.
+// or LayerNorm beside a residual (norm_plan.h says from which widths). The lean backward
+// (norm_fast_bwd.cuh) keeps the next row in registers; with the dweight and dbias sums there too,
+// its 128 registers a thread allow 512 threads an SM, 32 KB of x and dy in flight an SM at 16384
+// columns, shared by the four CTAs of a cluster meeting every row: 71% of copy (one H200,
+// LayerNorm, bf16, direct timing). The ring backward issues each row's copies two rows ahead (128
+// KB an SM at 16384 columns); a CTA holds whole rows up to 16384 columns, so no cluster there: 84%
+// (norm_plan.h). Past that the CTAs of a cluster share a row, each with a ring of its share. Each
+// thread reads its slices from the stage twice (the sums, then the outputs after the row's
+// reduction), so no register keeps them across it.
 //
 // Persistent: one CTA (cluster) a row block, rows b, b + row blocks, ...; the backward's dweight
 // and dbias sums are row b of p.partial (p.row_blocks row blocks). Included only by the
@@ -256,16 +257,16 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
 // one of the thread's own elements, so n (mean - c)^2 <= n m2 with n <= 32), segment_moments
 // combines the CTA's threads' and the CTAs combine theirs in one cluster round. One H200, bf16, %
 // of copy, against the CTA's mean and then its deviations (a second read of the stage, a second
-// round): the LayerNorm alone 83 / 87 at 24576 columns, 86 / 89 at 32768, 81-82 / 85-86 at 40960 and 49152, 83 / 87 at 65536; beside a float32 stream level at
-// 40960 and 65536 (88-91), but 89 / 84 at 49152 (six CTAs of 1024 slices in 512 threads; not
-// understood). The same sums around the first g of the CTA's share ran as fast but lost ~1e-3 of
-// the variance where that g stands far from the rest (test_ring_layer_norm_moments). The first pass
-// writes g back over its slice in float32 where it is neither x nor derived from x alone
-// (recomputing x silu(z) for y would cost two more exponentials and reciprocals an element), over
-// the second operand's 32 bytes when it is float32, else over both operands' 16. The stage is
-// refilled once the next row's reduction barrier has passed. The scale and bias are held in
-// registers for the whole walk (persistent clusters: cluster c takes rows c, c + clusters, ...). K
-// slices a thread.
+// round): the LayerNorm alone 83 / 87 at 24576 columns, 86 / 89 at 32768, 81-82 / 85-86 at 40960
+// and 49152, 83 / 87 at 65536; beside a float32 stream level at 40960 and 65536 (88-91), but 89 /
+// 84 at 49152 (six CTAs of 1024 slices in 512 threads; not understood). The same sums around the
+// first g of the CTA's share ran as fast but lost ~1e-3 of the variance where that g stands far
+// from the rest (test_ring_layer_norm_moments). The first pass writes g back over its slice in
+// float32 where it is neither x nor derived from x alone (recomputing x silu(z) for y would cost
+// two more exponentials and reciprocals an element), over the second operand's 32 bytes when it is
+// float32, else over both operands' 16. The stage is refilled once the next row's reduction barrier
+// has passed. The scale and bias are held in registers for the whole walk (persistent clusters:
+// cluster c takes rows c, c + clusters, ...). K slices a thread.
 enum RingOp { kRingAlone = 0, kRingGateFirst = 1, kRingGateAfter = 2, kRingResidual = 3 };
 template <int kDt, int kRt, int kOp, bool kLayer, int K>
 __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_fwd_ring_kernel(
