@@ -99,8 +99,8 @@ HELD_ROWS = (
 # 1152 slices, 8 a thread in 160 threads (18432), of 1280 (20480), of 1537 and 1536 in 224 threads
 # (24584), and past 4096 slices CTAs of up to 1024 in 128 threads: five of 922, the last 921 (36872
 # columns), six of 854, the last 851 (40968), eight full ones (65536, on three rows). Where the
-# DRAM passes 4 TB/s the ring forward takes a LayerNorm's rows past 2048 slices instead
-# (ring_fwd_plan, norm_cuda.cu), in the clusters ring_fwd_cluster gives them.
+# DRAM passes 4 TB/s the ring forward takes a LayerNorm's rows past 2048 slices and an RMSNorm's
+# past 4096 instead (ring_fwd_plan, norm_cuda.cu), in the clusters ring_fwd_cluster gives them.
 PLAIN_ROWS = (
     LAYER.replace(hidden=1024, lead=(3,)),
     LAYER.replace(hidden=1040, lead=(13,)),
@@ -564,6 +564,77 @@ def test_ring_rows(case, dtype, weight, seed):
     inputs = weighted_inputs(case, dtype, weight, seed)
     dy, dres = make_norm_cotangents(case, dtype, seed, device="cuda")
     backward_on_gpu_and_cpu(case, inputs, dy, dres)
+
+
+# Past 4 TB/s of DRAM the ring backward takes an RMSNorm without a dbias gated, z staged after dy
+# in CTAs of up to 1024 slices, 4 a thread (ring_cluster, norm_cuda.cu): the gate after the norm
+# from 513 slices (4104 columns: 160 threads, 33 lanes holding 4 slices), in clusters at 24584
+# (four CTAs of 769 slices, the last 766, in 224 threads) and 65536 (eight full ones, a
+# zero-centred weight); the gate first up to 768 slices, one CTA (513 at 4104 columns, 768 at
+# 6144: every lane of 192 full). On other devices these rows take the lean backward.
+GATED_RING_BWD_ROWS = (
+    BASE.replace(hidden=4104, z=True, lead=(300,)),
+    BASE.replace(hidden=24584, z=True, lead=(250,)),
+    BASE.replace(hidden=65536, z=True, zero_centered_weight=True, lead=(150,)),
+    BASE.replace(hidden=4104, z=True, norm_before_gate=False, lead=(300,)),
+    BASE.replace(hidden=6144, z=True, norm_before_gate=False, lead=(300,)),
+)
+
+
+@pytest.mark.parametrize("case", GATED_RING_BWD_ROWS, ids=case_id)
+@half_dtypes
+def test_gated_ring_backward(case, dtype, seed):
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda")
+    dy, dres = make_norm_cotangents(case, dtype, seed, device="cuda")
+    backward_on_gpu_and_cpu(case, inputs, dy, dres)
+
+
+def check_grads_asked(case, inputs, fwd, dy, dres, grads, dresidual_dtype=None):
+    """The NormGrads of a backward that was not asked for dbias (or dz) against the float64
+    references: dx, dresidual when asked, dweight, and dz where z is given."""
+    s = backward_input(case, inputs, fwd.residual_out).cpu()
+    refs = reference_backward(case, s, inputs, dy, dres)
+    assert grads.dbias is None
+    assert_close("dx", grads.dx.cpu(), *refs["dx"])
+    if dresidual_dtype is not None:
+        assert grads.dresidual.dtype == dresidual_dtype
+        assert_close("dresidual", grads.dresidual.cpu(), *refs["dx"])
+    assert_close("dweight", grads.dweight.cpu(), *refs["dweight"])
+    if inputs["z"] is not None:
+        assert_close("dz", grads.dz.cpu(), *refs["dz"])
+
+
+# A bias whose gradient is not asked for leaves the gated rows to the ring backward (no kFull),
+# where the gate after's dz takes the bias (y = (xhat w + b) silu(z)): two CTAs of 513 and 512
+# slices at 8200 columns.
+@half_dtypes
+def test_gated_ring_backward_without_dbias(dtype, seed):
+    case = BASE.replace(hidden=8200, z=True, bias=True, lead=(300,))
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda")
+    dy, _ = make_norm_cotangents(case, dtype, seed, device="cuda")
+    fwd = run_forward(case, inputs)
+    grads = run_backward(case, inputs, fwd, dy, None, needs=(True, False, True, False, True))
+    check_grads_asked(case, inputs, fwd, dy, None, grads)
+
+
+# Past 4 TB/s of DRAM the ring backward takes an RMSNorm without a dbias beside a residual stream
+# of x's dtype up to 1024 slices, one CTA of 2 slices a thread, dresidual_out fetched into L2 as
+# beside a float32 one (ring_cluster): the prenorm RMSNorm at 4608 columns (576 slices in 288
+# threads) and zero-centred at 8192 (every lane of 512 full), an RMSNorm beside a residual without
+# the prenorm output (no dresidual_out) at 5128 (641 slices in 352 threads, lane 320 holding
+# one); dresidual asked for in x's dtype beside dx.
+@pytest.mark.parametrize("case", (
+    BASE.replace(hidden=4608, residual=True, prenorm=True, lead=(300,)),
+    BASE.replace(hidden=8192, residual=True, prenorm=True, zero_centered_weight=True,
+                 lead=(200,)),
+    BASE.replace(hidden=5128, residual=True, lead=(200,))), ids=case_id)
+@half_dtypes
+def test_stream16_ring_backward(case, dtype, seed):
+    inputs = make_norm_inputs(case, dtype, seed, device="cuda")
+    dy, dres = make_norm_cotangents(case, dtype, seed, device="cuda")
+    fwd = run_forward(case, inputs)
+    grads = run_backward(case, inputs, fwd, dy, dres, needs=(True, True, True, False, False))
+    check_grads_asked(case, inputs, fwd, dy, dres, grads, dresidual_dtype=dtype)
 
 
 # Beside a float32 residual stream (Mamba's residual_in_fp32) the torch adapter asks the

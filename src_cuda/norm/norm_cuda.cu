@@ -797,8 +797,9 @@ int ring_fwd_plan(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
   const int cluster = ring_fwd_cluster(nslices, Dtype(d.rt));
   const bool residual = a.residual.present() || a.residual_out.present();
-  const bool alone = a.layer_norm && !a.z.present() && !residual && d.rt == d.dt &&
-                     nslices >= kRingLayerMinSlices && fast_dram(device);
+  const bool alone = !a.z.present() && !residual && d.rt == d.dt &&
+                     nslices >= (a.layer_norm ? kRingLayerMinSlices : kRingRmsMinSlices) &&
+                     fast_dram(device);
   const bool gated = a.z.present() && !a.layer_norm && d.rt == d.dt && !residual &&
                      nslices >= kRingGatedMinSlices;
   const bool f32_layer = a.layer_norm && Dtype(d.rt) == Dtype::F32;
@@ -950,9 +951,11 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
 
 // The CTAs of the ring backward's cluster (norm_plan.h) for rows of nslices slices of a stream
 // (x) of dtype rt, when it can take them, or 0: it copies with the bulk-copy engine, sm_90 code
-// like the clusters'. `full`: a LayerNorm or a dbias wanted (the kernel's kFull).
-int ring_ctas(int nslices, Dtype rt, bool full, const NormArgs& a, int device) {
-  int most = ring_max_slices(rt);
+// like the clusters'. `full`: a LayerNorm or a dbias wanted (the kernel's kFull); `gate`: z staged
+// too; `stream`: the stream's gradients wanted.
+int ring_ctas(int nslices, Dtype rt, bool full, bool gate, bool stream, const NormArgs& a,
+              int device) {
+  int most = ring_max_slices(rt, gate, stream);
   if (full && rt != Dtype::F32 && nslices > most) {
     for (int m = kRingFullCtaSlices; m < most; m *= 2) {
       if (ceil_div(nslices, m) <= kMaxCluster) {
@@ -973,22 +976,30 @@ int ring_ctas(int nslices, Dtype rt, bool full, const NormArgs& a, int device) {
 }
 
 // The ring backward's cluster for a call, or 0 where it does not take it: 16-bit rows without a
-// residual stream's gradients, or beside a float32 stream.
+// residual stream's gradients, or beside a float32 stream; past kFastDram, where they were
+// measured (norm_plan.h), an RMSNorm without a dbias gated (the gate first up to
+// kRingGateFirstMaxSlices) or beside a stream of x's dtype up to kRingStream16MaxSlices.
 int ring_cluster(const NormArgs& a, LeanDtypes d, int device) {
   const Dtype rt = Dtype(d.rt);
+  const int nslices = slices_of(a);
+  const bool full = a.layer_norm || a.dbias.present();
   const bool f32_stream = rt == Dtype::F32 && d.dt != d.rt;
   const bool residual = a.dresidual_out.present() || a.dresidual.present();
-  const bool takes = d.ok && Dtype(d.dt) != Dtype::F32 && (f32_stream || !residual) &&
-                     a.rows > 0 && !a.z.present();
-  return takes ? ring_ctas(slices_of(a), rt, a.layer_norm || a.dbias.present(), a, device) : 0;
+  const bool measured = !full && fast_dram(device);
+  const bool stream16 = measured && !f32_stream && nslices <= kRingStream16MaxSlices;
+  const bool gate = !a.z.present() ||
+                    (measured && (a.norm_before_gate || nslices <= kRingGateFirstMaxSlices));
+  const bool takes = d.ok && Dtype(d.dt) != Dtype::F32 && a.rows > 0 && gate &&
+                     (!residual || f32_stream || (stream16 && !a.z.present()));
+  return takes ? ring_ctas(nslices, rt, full, a.z.present(), residual, a, device) : 0;
 }
 
 // The ring backward's plan: clusters of `ctas` CTAs of whole warps, ring_slices(rt) a thread, and
 // as many row blocks as its CTAs that run at once by their registers (at most 128 a thread, its
 // launch bounds), up to kRingCtasPerSm an SM; the launcher lowers them to those that fit.
-NormPlan ring_bwd_plan(const NormArgs& a, Dtype rt, int ctas, int sms) {
-  NormPlan p = shape_plan(a, ring_slices(rt), ctas);
-  p.threads = whole_warps(p.cta_slices, ring_slices(rt));
+NormPlan ring_bwd_plan(const NormArgs& a, Dtype rt, bool stream, int ctas, int sms) {
+  NormPlan p = shape_plan(a, ring_bwd_slices(rt, stream), ctas);
+  p.threads = whole_warps(p.cta_slices, ring_bwd_slices(rt, stream));
   p.block = p.threads;
   const int per_sm = std::clamp(kNormMaxThreads / p.block, 1, kRingCtasPerSm);
   p.row_blocks = std::clamp<int64_t>(int64_t(sms) * per_sm / ctas, 1, std::max<int64_t>(a.rows, 1));
@@ -1016,12 +1027,17 @@ size_t norm_bwd_cuda_workspace(const NormArgs& a, int device) {
   // Nor whether x, the stream s, float32 here, comes beside 16-bit dy (the one-slice plan).
   if (bwd_one_slice(Dtype::BF16, a.x.dtype, nslices, cluster))
     bytes = std::max(bytes, BwdSetup(a, device, cluster, true).workspace);
-  // Nor whether a dbias is wanted, which shapes the ring's clusters.
+  // Nor whether a dbias is wanted, or a gate, which shape the ring's clusters.
   for (const bool full : {a.layer_norm, true}) {
-    const int ring = ring_ctas(nslices, a.x.dtype, full, a, device);
-    if (ring == 0) continue;
-    const NormPlan p = ring_bwd_plan(a, a.x.dtype, ring, std::max(1, multiprocessor_count(device)));
-    bytes = std::max(bytes, partial_bytes(p.row_blocks, a.hidden));
+    for (const bool gate : {false, true}) {
+      for (const bool stream : {false, true}) {
+        const int ring = ring_ctas(nslices, a.x.dtype, full, gate, stream, a, device);
+        if (ring == 0) continue;
+        const NormPlan p = ring_bwd_plan(a, a.x.dtype, stream, ring,
+                                         std::max(1, multiprocessor_count(device)));
+        bytes = std::max(bytes, partial_bytes(p.row_blocks, a.hidden));
+      }
+    }
   }
   return bytes;
 }
@@ -1049,7 +1065,8 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
     if (setup.fused && sums) p.partial = partial;
   };
   if (ring) {
-    p = ring_bwd_plan(a, Dtype(lean.rt), ring_ctas, sms);
+    p = ring_bwd_plan(a, Dtype(lean.rt), a.dresidual_out.present() || a.dresidual.present(),
+                      ring_ctas, sms);
     setup.fused = true;
   }
   prepare();

@@ -19,6 +19,10 @@
 
 namespace ssm {
 
+// The gate of a lean or ring backward kernel, a template argument: none, y = norm(s silu(z))
+// (Mamba-2's RMSNormGated), or y = norm(s) silu(z).
+enum LeanGate { kNoGate = 0, kGateFirst = 1, kGateAfter = 2 };
+
 namespace norm_detail {
 
 // A thread's K slices (lane + k * threads of its block's share): whether each lies in the row
@@ -154,6 +158,9 @@ template <int M, class Combine>
 __device__ __forceinline__ void cluster_reduce(float (&v)[M], ClusterInbox<M>& box, int ranks,
                                                int rank, int parity, Combine combine) {
   static_assert(kMaxCluster <= 8, "a group of 8 lanes holds the ranks");
+  // A cluster of one has nothing to add, and a CTA may not store to its own shared memory
+  // through the cluster's window when the cluster is one CTA (memcheck: an invalid write).
+  if (ranks == 1) return;
   cluster_push(v, box, ranks, rank, parity);
   const int lane = threadIdx.x & 31;
   float t[M];

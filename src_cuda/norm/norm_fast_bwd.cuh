@@ -12,10 +12,6 @@
 
 namespace ssm {
 
-// The gate of a lean kernel, a template argument: none, y = norm(s silu(z)) (Mamba-2's
-// RMSNormGated), or y = norm(s) silu(z).
-enum LeanGate { kNoGate = 0, kGateFirst = 1, kGateAfter = 2 };
-
 // The backward's lean kernel: the terms of norm_bwd_kernel, with dweight (and dbias) summed in
 // registers over the rows a thread visits (the plan is the fused one of norm_cuda.cu). kRt: x
 // (the forward's residual stream s), dresidual_out and dresidual; kDt: dy, dx, z and dz. kFull

@@ -482,21 +482,34 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
 //   with a bias 88 / 77, 89 / 80, 89 / 84, 88 / 85, 83 / 74, 85 / 81, 80 / 75. While one CTA
 //   waits on its cluster's sums, the others of its SM work. The RMSNorm without a bias (one sum
 //   a row) lost with them (87 / 92 at 20480, 87 / 90 at 24576), so it keeps the larger CTAs.
+// - past kFastDram, an RMSNorm without a dbias gated (z staged after dy, CTAs of up to 1024
+//   slices), the gate after the norm from kRingAloneMinSlices and the gate first up to
+//   kRingGateFirstMaxSlices, and beside a stream of x's dtype (2 slices a thread, dresidual_out
+//   fetched into L2 as beside a float32 one) up to kRingStream16MaxSlices, against the lean CTA
+//   and clusters (one H200, bf16, bench, 2^27 elements, % of copy): the gate after 64 / 97 at
+//   5120 columns, 80 / 92 at 8192, 73 / 81 at 16384, 60 / 64 at 49152; the gate first 73 / 87 at
+//   4608, 78 / 89-90 at 5120, 86 / 92 at 6144, but 90 / 74 at 7168, 87-88 / 77 at 8192, 83 / 72
+//   at 16384 and 78 / 63 at 49152; the prenorm RMSNorm 78 / 81 at 4608, 83 / 85 at 5120, 89 / 92
+//   at 6144, 95 / 95 at 7168, 96 / 97 at 8192, but 86 / 57 at 10240 and 83 / 57 at 49152 (two
+//   slices a thread: clusters of two CTAs and more). The H100 and the LayerNorm keep the lean
+//   kernels: not measured.
 // p.row_blocks: the plan's (ring_bwd_plan, norm_cuda.cu), which the workspace covers; the
 // launcher lowers it to the CTAs (clusters) that run at once.
 constexpr int kRingSlices = 4, kRingStages = 3, kRingCtasPerSm = 4, kRingFullCtaSlices = 512;
 constexpr int kRingMinSlices = 2 * kNormMaxThreads + 1, kRingAloneMinSlices = 513;
+constexpr int kRingGateFirstMaxSlices = 768, kRingStream16MaxSlices = 1024;
 template <int kDt, int kRt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
-// The ring forward (norm_ring.cuh): whole rows of 16-bit x in one group, a LayerNorm alone from
-// kRingLayerMinSlices on a device past kFastDram, gated (an RMSNorm without a residual) or beside
-// a residual (its stream in x's dtype or float32, no gate), in
-// persistent clusters of at least ceil(nslices / kRingFwdCtaSlices) CTAs (one up to 8192 columns;
-// ring_fwd_cluster, below), ring_slices(stream dtype) slices a thread, x and the second operand
-// copied by the bulk-copy engine into kRingFwdStages stages (ring_fwd_bytes: 96 KB a 1024-slice CTA
-// of 16-bit x and z, two CTAs an SM in 104-113 registers; 48 KB a slice beside a float32 stream, 2
-// slices a thread in 512 threads, one CTA an SM). Returns cudaErrorInvalidClusterSize, launching
+// The ring forward (norm_ring.cuh): whole rows of 16-bit x in one group, the norm alone on a
+// device past kFastDram (a LayerNorm from kRingLayerMinSlices, an RMSNorm from
+// kRingRmsMinSlices), gated (an RMSNorm without a residual) or beside a residual (its stream in
+// x's dtype or float32, no gate), in persistent clusters of at least
+// ceil(nslices / kRingFwdCtaSlices) CTAs (one up to 8192 columns; ring_fwd_cluster, below),
+// ring_slices(stream dtype) slices a thread, x and the second operand copied by the bulk-copy
+// engine into kRingFwdStages stages (ring_fwd_bytes: 96 KB a 1024-slice CTA of 16-bit x and z,
+// two CTAs an SM in 104-113 registers; 48 KB a slice beside a float32 stream, 2 slices a thread
+// in 512 threads, one CTA an SM). Returns cudaErrorInvalidClusterSize, launching
 // nothing, when not one cluster fits on the device. One H200, bf16, % of copy, the forward that
 // took those rows before against this one:
 // - the norm alone, which it took until the plain forward's clusters passed it on one H100
@@ -510,7 +523,11 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 //   73.8 / 90.6 (66.8) at 18432 columns, 77.5 / 89.1 (67.9) at 20480, 81.6 / 91.9 (67.8) at
 //   24576, 79.7 / 90.9 (66.0) at 32768, 77.6 / 92.2 (55.2) at 49152, 75.9 / 92.4 (54.4) at 65536;
 //   the bench 3.74-3.82 TB/s from 20480 to 65536 (89.7-91.5% of copy), the plain clusters'
-//   3.03-3.27 from 24576.
+//   3.03-3.27 from 24576. An RMSNorm alone from kRingRmsMinSlices, past 32768 columns (the plain
+//   forward's two CTAs of 512 threads an SM), the plain forward / the ring (same tensors, the
+//   bench's timing): 91.4 / 88.5 at 32768, 91.1 / 92.2 at 36864, 89.2 / 88.6-89.4 at 40960,
+//   89.9 / 92.2 at 45056, 88.9-89.1 / 91.2-91.3 at 49152, 87.8 / 91.1-92.7 at 65536; the ring
+//   lost from 20480 to 28672 (94.1-95.9 / 86.2-89.1).
 // - the gate from kRingGatedMinSlices, against the staged forward: 85 / 94 at 5120 columns, 91
 //   / 93 at 6144, 79 / 96 at 10240, 83 / 93-94 at 12288, 88 / 92 at 16384, 61 / 86 at 20480,
 //   60-66 / 91-94 from 24576 to 65536. The staged forward stays ahead at 4096 (97 / 93) and
@@ -545,7 +562,7 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
 // three runs), 88.3 / 96.2 at 45056, 88.7 / 96.4 at 49152, 96.3 / 96.8 at 57344, and level at
 // 40960 (95.3 / 95.3).
 constexpr int kRingFwdStages = 3, kRingFwdCtaSlices = 1024, kRingFwdMinSlices = 4097;
-constexpr int kRingGatedMinSlices = 513, kRingLayerMinSlices = 2049;
+constexpr int kRingGatedMinSlices = 513, kRingLayerMinSlices = 2049, kRingRmsMinSlices = 4097;
 constexpr int kRingStreamLayerMinSlices = 1281, kRingBalancedFrom = 3;
 constexpr int kRingStreamWideCtaSlices = 512, kRingStreamEightAfter = 5120;
 template <int kDt, int kRt>
@@ -567,13 +584,27 @@ __host__ __device__ constexpr unsigned ring_stage_bytes(unsigned first, unsigned
 // The ring backward's slices a thread beside a stream of dtype r (kRingSlices for the norm
 // alone, 2 beside a float32 stream, whose dresidual_out of every slice a thread holds in
 // registers through the second pass), and the most a CTA takes: 2048 slices of 16-bit x and dy
-// (three stages of 64 KB), 1024 beside a float32 stream (48 KB). Its dynamic shared memory:
-// the stages of p.cta_slices slices of x and of dy.
+// (three stages of 64 KB), 1024 beside a float32 stream (48 KB) or with a gate (x, dy and z:
+// 48 KB). Its dynamic shared memory: the stages of p.cta_slices slices of x and of dy (and z);
+// ring_gated_second: the bytes past x of a gated stage whose dy share is dy_bytes (dy, then z
+// lined up as its rows are, ring_stage_bytes).
 constexpr int ring_slices(Dtype r) { return r == Dtype::F32 ? 2 : kRingSlices; }
-constexpr int ring_max_slices(Dtype r) { return ring_slices(r) * kNormMaxThreads; }
-inline size_t ring_bytes(const NormPlan& p, Dtype r) {
+// The backward's beside a stream of x's dtype too (`stream`: its gradients wanted): 2, for the
+// dresidual_out a thread holds as beside a float32 one.
+constexpr int ring_bwd_slices(Dtype r, bool stream) { return stream ? 2 : ring_slices(r); }
+constexpr int ring_max_slices(Dtype r, bool gate = false, bool stream = false) {
+  return (gate ? 2 : ring_bwd_slices(r, stream)) * kNormMaxThreads;
+}
+static_assert(kRingStream16MaxSlices <= ring_max_slices(Dtype::BF16, false, true) &&
+                  kRingGateFirstMaxSlices <= ring_max_slices(Dtype::BF16, true),
+              "beside a stream of x's dtype and with the gate first, one CTA a row");
+__host__ __device__ constexpr unsigned ring_gated_second(unsigned dy_bytes) {
+  return 2 * dy_bytes + 112u;
+}
+inline size_t ring_bytes(const NormPlan& p, Dtype r, bool gate) {
+  const unsigned dy = unsigned(p.cta_slices) * 16u;
   return kRingStages * ring_stage_bytes(unsigned(p.cta_slices) * slice_bytes(r),
-                                        unsigned(p.cta_slices) * 16u);
+                                        gate ? ring_gated_second(dy) : dy);
 }
 
 // The ring forward's dynamic shared memory: the stages of p.cta_slices slices of x and of the

@@ -44,39 +44,50 @@ __device__ __forceinline__ void stage_slice(Dtype d, const uint4* share, int v, 
 // bytes further past a 128-byte line than its source (ring_stage_bytes says why). Rows whose byte
 // stride is not a multiple of 128 line up as the given ones do, or not.
 template <unsigned kLead>
+__device__ __forceinline__ int ring_region_after(const uint4* ring, unsigned end,
+                                                 const void* src) {
+  const unsigned from = shared_address(ring) + end;
+  return int((end + ((unsigned(reinterpret_cast<uintptr_t>(src)) + kLead - from) & 127u)) / 16);
+}
+template <unsigned kLead>
 __device__ __forceinline__ int2 ring_regions(const uint4* ring, const void* first_src,
                                              unsigned first_bytes, const void* second_src) {
-  const unsigned at = shared_address(ring);
-  auto gap = [](unsigned from, const void* src) {
-    return (unsigned(reinterpret_cast<uintptr_t>(src)) + kLead - from) & 127u;
-  };
-  const unsigned first = gap(at, first_src);
-  const unsigned second = first + first_bytes + gap(at + first + first_bytes, second_src);
-  return make_int2(int(first / 16), int(second / 16));
+  const int first = ring_region_after<kLead>(ring, 0, first_src);
+  return make_int2(first, ring_region_after<kLead>(ring, first * 16 + first_bytes, second_src));
 }
 
 }  // namespace norm_detail
 
-// kDt: dy and dx (16-bit); kRt: x (the forward's residual stream s), dresidual_out and dresidual,
-// float32, or kDt for the norm alone (no stream gradients). kFull: LayerNorm, or a dbias wanted
+// kDt: dy and dx (16-bit); kRt: x (the forward's residual stream s), dresidual_out and
+// dresidual, float32 or kDt; kStream: the stream's gradients wanted (always beside a float32
+// one). kFull: LayerNorm, or a dbias wanted
 // (the mean and the sum of w dy, the dbias sums), as in the lean backward. K slices a thread (lane
 // + k * threads). kCluster: the p.cluster CTAs of a thread-block cluster share each row,
 // p.cta_slices slices each, and add their sums through distributed shared memory
 // (cluster_push_sum); sm_90 and later. Persistent clusters then: cluster c takes rows c, c +
 // clusters, ..., its dweight and dbias sums row c of p.partial, each CTA its own columns.
 // dresidual_out is read once, by the second pass, so it is not staged: its share of a row is
-// fetched into L2 when the row's copies are issued.
-template <int kDt, int kRt, bool kFull, int K, bool kCluster>
+// fetched into L2 when the row's copies are issued. kGate (LeanGate), the norm alone only
+// (kDt == kRt) of an RMSNorm without a dbias (ring_cluster, norm_cuda.cu), as beside a stream
+// of x's dtype: z is staged after dy. kGateAfter, y = norm(x) silu(z): dz stored by the first
+// pass (it needs no sums), and the gated dy silu(z) written in float32 over the slice's dy and z
+// for the second. kGateFirst, y = norm(x silu(z)): both passes take silu(z) from the stage's z,
+// the second dx = dg silu(z) and dz = dg x silu'(z).
+template <int kDt, int kRt, bool kFull, int K, bool kCluster, int kGate = kNoGate,
+          bool kStream = kRt != kDt>
 __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const NormArgs a,
                                                                            const NormPlan p) {
   using namespace norm_detail;
   constexpr Dtype D = Dtype(kDt), R = Dtype(kRt);
   constexpr int S = kRingStages;
   constexpr int M = kFull ? 2 : 1;
-  // Beside a float32 stream, with its gradients; else the norm alone.
-  constexpr bool kStream = kRt != kDt;
-  static_assert(D != Dtype::F32 && (!kStream || R == Dtype::F32),
+  // kStream: beside a stream (float32, or x's dtype), with its gradients; else the norm alone.
+  static_assert(D != Dtype::F32 && (R == D || R == Dtype::F32) && (kStream || R == D),
                 "16-bit dy and dx, x of their dtype or float32");
+  static_assert(kGate == kNoGate || !kStream, "a gate only on the norm alone");
+  static_assert(!kFull || (kGate == kNoGate && (!kStream || R == Dtype::F32)),
+                "gated or beside a stream of x's dtype: an RMSNorm without a dbias");
+  constexpr bool kZ = kGate != kNoGate;
   __shared__ uint64_t landed[S];
   __shared__ float red[2][kNormMaxThreads / 32 * M];
   // Two inboxes in turn, as cluster_push_sum asks of a kernel that sums every row.
@@ -107,7 +118,13 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
   const int2 regions = ring_regions<kLead>(ring, row_share(a.x, R, row0, col(0)), x_share,
                                            row_share(a.dy, D, row0, col(0)));
   const int dy_at = regions.y - regions.x;
-  const int stage_units = int(ring_stage_bytes(x_share, unsigned(stride) * 16u) / 16u);
+  const unsigned dy_share = unsigned(stride) * 16u;
+  const int z_at = kZ ? ring_region_after<kLead>(ring, unsigned(regions.y) * 16u + dy_share,
+                                                    row_share(a.z, D, row0, col(0))) -
+                               regions.x
+                         : 0;
+  const int stage_units =
+      int(ring_stage_bytes(x_share, kZ ? ring_gated_second(dy_share) : dy_share) / 16u);
   auto stage_of = [&](int j) { return ring + regions.x + size_t(j % S) * stage_units; };
 
   // Thread 0: the copies of the block's j-th row into stage j % S, if that row exists.
@@ -117,9 +134,10 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
     uint4* stage = stage_of(j);
     uint64_t* bar = &landed[j % S];
     const unsigned x_bytes = unsigned(n) * slice_bytes(R), dy_bytes = unsigned(n) * 16u;
-    mbarrier_expect_bytes(bar, x_bytes + dy_bytes);
+    mbarrier_expect_bytes(bar, x_bytes + dy_bytes * (kZ ? 2 : 1));
     bulk_copy_to_shared(stage, row_share(a.x, R, r, col(0)), x_bytes, bar);
     bulk_copy_to_shared(stage + dy_at, row_share(a.dy, D, r, col(0)), dy_bytes, bar);
+    if (kZ) bulk_copy_to_shared(stage + z_at, row_share(a.z, D, r, col(0)), dy_bytes, bar);
     if (dres_in) prefetch_l2_bulk(row_share(a.dresidual_out, R, r, col(0)), x_bytes);
   };
   if (threadIdx.x == 0) {
@@ -135,7 +153,8 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
   if (kCluster) cluster_inbox_ready();
 
   const float inv_len = 1.f / float(a.group_size);
-  const bool writes = a.dx.present() || (kStream && a.dresidual.present());
+  const bool writes = a.dx.present() || (kStream && a.dresidual.present()) ||
+                      (kGate == kGateFirst && a.dz.present());
   // A row's mean and rstd are loaded a row ahead, so its first pass does not wait for them.
   float mean_next = 0.f, rstd_next = 0.f;
   auto load_stats = [&](int64_t r) {
@@ -148,10 +167,14 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
   for (int64_t r = row0; r < a.rows; r += step, ++j) {
     const float mean = mean_next, rstd = rstd_next;
     load_stats(r + step);
-    const uint4* xs = stage_of(j);
-    const uint4* dys = xs + dy_at;
+    uint4* xs = stage_of(j);
+    uint4* dys = xs + dy_at;
     mbarrier_wait(&landed[j % S], unsigned(j / S) & 1u);
-    // Each slice of the stage, widened: x - mean (x for an RMSNorm) and dy.
+    // With kGateAfter, the two 16-byte halves of slice v's gated dy (float32) after the first
+    // pass.
+    auto gated = [&](int v, int half) { return half == 0 ? dys + v : xs + z_at + v; };
+    // Each slice of the stage, widened: x - mean (x for an RMSNorm; x silu(z) with kGateFirst)
+    // and dy (dy silu(z) with kGateAfter, after the first pass).
     auto each_slice = [&](auto&& f) {
 #pragma unroll
       for (int k = 0; k < K; ++k) {
@@ -159,7 +182,22 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
         if (v >= n) continue;
         Slice xd, g;
         stage_slice(R, xs, v, xd);
-        unpack_slice(D, dys[v], g);
+        if constexpr (kGate == kGateFirst) {
+          Slice u;
+          unpack_slice(D, xs[z_at + v], u);
+#pragma unroll
+          for (int e = 0; e < kSlice; ++e) xd[e] *= silu(u[e]);
+        }
+        if constexpr (kGate == kGateAfter) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint4 q = *gated(v, h);
+            g[4 * h] = __uint_as_float(q.x), g[4 * h + 1] = __uint_as_float(q.y);
+            g[4 * h + 2] = __uint_as_float(q.z), g[4 * h + 3] = __uint_as_float(q.w);
+          }
+        } else {
+          unpack_slice(D, dys[v], g);
+        }
         if (kFull) {
           // x - mean, not x rstd - mean rstd: a constant row must give xhat 0 exactly.
 #pragma unroll
@@ -181,14 +219,51 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
     // LayerNorm alone at 16384 columns: 101M warp instructions before (xhat, the weight sums in
     // the first pass, dx as rstd (w dy - (xhat c1 + c2))), 94M now.
     float acc[M] = {};
-    each_slice([&](int k, int, const Slice& xd, const Slice& g) {
+    if constexpr (kGate == kGateAfter) {
+      // dz = dy o silu'(z), o = xhat w + b, and g = dy silu(z), which replaces dy and z in the
+      // stage; the sums as below, over g.
 #pragma unroll
-      for (int e = 0; e < kSlice; ++e) {
-        const float gw = g[e] * w[k][e];
-        acc[0] = fmaf(gw, xd[e], acc[0]);
-        if (kFull) acc[M - 1] += gw;
+      for (int k = 0; k < K; ++k) {
+        const int v = lane + k * T;
+        if (v >= n) continue;
+        Slice xd, g, u, b;
+        stage_slice(R, xs, v, xd);
+        unpack_slice(D, dys[v], g);
+        unpack_slice(D, xs[z_at + v], u);
+        if (a.bias.present()) {
+          fetch_slice(a.bias.data, a.bias.dtype, col(v), kSlice, true, b);
+          widen_slice(a.bias.dtype, true, b);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kSlice; ++e) b[e] = 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) {
+          const float z = u[e], sg = sigmoid(z), dy = g[e];
+          u[e] = dy * fmaf(xd[e] * rstd, w[k][e], b[e]) * sg * (1.f + z * (1.f - sg));
+          g[e] = dy * z * sg;
+          acc[0] = fmaf(g[e] * w[k][e], xd[e], acc[0]);
+        }
+        if (a.dz.present())
+          store_slice(a.dz.data, D, r * a.dz.stride[0] + col(v), kSlice, true, u);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *gated(v, h) = make_uint4(__float_as_uint(g[4 * h]), __float_as_uint(g[4 * h + 1]),
+                                    __float_as_uint(g[4 * h + 2]), __float_as_uint(g[4 * h + 3]));
       }
-    });
+      // Those stores reach the stage through the generic proxy; the bulk copy that refills it
+      // later writes through the async one.
+      fence_shared_for_copies();
+    } else {
+      each_slice([&](int k, int, const Slice& xd, const Slice& g) {
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) {
+          const float gw = g[e] * w[k][e];
+          acc[0] = fmaf(gw, xd[e], acc[0]);
+          if (kFull) acc[M - 1] += gw;
+        }
+      });
+    }
     acc[0] *= rstd;
     // The CTAs are whole warps (ring_bwd_plan).
     segment_sum<M, kNormMaxThreads, true>(acc, T, red[j & 1], true);
@@ -210,6 +285,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
         if (dres_in && v < n) {
           fetch_slice(a.dresidual_out.data, R, r * a.dresidual_out.stride[0] + col(v), kSlice,
                       true, dres[k]);
+          widen_slice(R, true, dres[k]);
         } else {
 #pragma unroll
           for (int e = 0; e < kSlice; ++e) dres[k][e] = 0.f;
@@ -217,6 +293,31 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
       }
     }
     uint16_t* dx = static_cast<uint16_t*>(a.dx.data) + r * a.dx.stride[0];
+    if constexpr (kGate == kGateFirst) {
+      // dg as dx below, of g = x silu(z); then dx = dg silu(z), dz = dg x silu'(z).
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int v = lane + k * T;
+        if (v >= n) continue;
+        Slice xr, u, g;
+        stage_slice(R, xs, v, xr);
+        unpack_slice(D, xs[z_at + v], u);
+        unpack_slice(D, dys[v], g);
+#pragma unroll
+        for (int e = 0; e < kSlice; ++e) {
+          const float z = u[e], sg = sigmoid(z), sz = z * sg;
+          const float gd = xr[e] * sz;
+          dw[k][e] = fmaf(g[e] * rstd, gd, dw[k][e]);
+          const float dg = fmaf(g[e] * rstd, w[k][e], -gd * c1);
+          g[e] = dg * sz;
+          u[e] = dg * xr[e] * sg * (1.f + z * (1.f - sg));
+        }
+        if (a.dx.present()) store_slice(dx, D, col(v), kSlice, true, g);
+        if (a.dz.present())
+          store_slice(a.dz.data, D, r * a.dz.stride[0] + col(v), kSlice, true, u);
+      }
+      continue;
+    }
     // dx = rstd (w dy - xhat c1 - c2) = rstd dy w - (x - mean) rstd^2 c1 - rstd c2.
     each_slice([&](int k, int v, const Slice& xd, Slice& g) {
       weight_sums(k, xd, g);
@@ -246,7 +347,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const
 // shared by the p.cluster CTAs of a thread-block cluster (p.cta_slices each; sm_90 and later)
 // that add their sums through distributed shared memory, x and the second operand brought into a
 // ring of kRingFwdStages stages (one group; norm_plan.h). kOp (RingOp):
-// - kRingAlone: the LayerNorm of x (an RMSNorm alone takes the plain forward);
+// - kRingAlone: the norm of x alone (a LayerNorm when kLayer);
 // - kRingGateFirst: an RMSNorm of g = x silu(z), y = norm(g) w (+ b) (Mamba-2's RMSNormGated);
 // - kRingGateAfter: an RMSNorm of g = x, y = (norm(g) w (+ b)) silu(z);
 // - kRingResidual: g = x + residual, the stream s in kRt (kDt or float32), stored as
@@ -481,9 +582,9 @@ cudaError_t launch_norm_fwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
   auto kernel = a.layer_norm ? norm_fwd_ring_kernel<kDt, kRt, kRingResidual, true, K>
                              : norm_fwd_ring_kernel<kDt, kRt, kRingResidual, false, K>;
   if constexpr (kDt == kRt) {
-    // The norm alone takes the ring forward as a LayerNorm only (ring_fwd_plan, norm_cuda.cu).
     if (!a.z.present() && !a.residual.present())
-      kernel = norm_fwd_ring_kernel<kDt, kRt, kRingAlone, true, K>;
+      kernel = a.layer_norm ? norm_fwd_ring_kernel<kDt, kRt, kRingAlone, true, K>
+                            : norm_fwd_ring_kernel<kDt, kRt, kRingAlone, false, K>;
     if (a.z.present())
       kernel = a.norm_before_gate ? norm_fwd_ring_kernel<kDt, kRt, kRingGateAfter, false, K>
                                   : norm_fwd_ring_kernel<kDt, kRt, kRingGateFirst, false, K>;
@@ -495,15 +596,34 @@ template <int kDt, int kRt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream) {
   constexpr int K = ring_slices(Dtype(kRt));
   const bool full = a.layer_norm || a.dbias.present();
-  const size_t smem = ring_bytes(p, Dtype(kRt));
-  if (p.cluster == 1) {
-    auto kernel = full ? norm_bwd_ring_kernel<kDt, kRt, true, K, false>
-                       : norm_bwd_ring_kernel<kDt, kRt, false, K, false>;
-    return launch_rows<false>(kernel, a, p, sms, stream, smem);
+  const size_t smem = ring_bytes(p, Dtype(kRt), a.z.present());
+  // pick(std::bool_constant<kCluster>) gives the kernel.
+  auto run = [&](auto pick) {
+    if (p.cluster == 1)
+      return launch_rows<false>(pick(std::false_type()), a, p, sms, stream, smem);
+    return launch_rows<true>(pick(std::true_type()), a, p, sms, stream, smem);
+  };
+  if constexpr (kDt == kRt) {
+    // An RMSNorm without a dbias beside a stream of x's dtype (2 slices a thread,
+    // ring_bwd_slices) or gated (ring_cluster, norm_cuda.cu). Beside the stream and with the gate
+    // first one CTA takes a row (norm_plan.h); the gate after takes clusters too.
+    if (a.dresidual_out.present() || a.dresidual.present())
+      return launch_rows<false>(norm_bwd_ring_kernel<kDt, kRt, false, 2, false, kNoGate, true>, a,
+                                p, sms, stream, smem);
+    if (a.z.present() && !a.norm_before_gate)
+      return launch_rows<false>(norm_bwd_ring_kernel<kDt, kRt, false, K, false, kGateFirst>, a, p,
+                                sms, stream, smem);
+    if (a.z.present()) {
+      return run([](auto c) {
+        return norm_bwd_ring_kernel<kDt, kRt, false, K, decltype(c)::value, kGateAfter>;
+      });
+    }
   }
-  auto kernel = full ? norm_bwd_ring_kernel<kDt, kRt, true, K, true>
-                     : norm_bwd_ring_kernel<kDt, kRt, false, K, true>;
-  return launch_rows<true>(kernel, a, p, sms, stream, smem);
+  return run([full](auto c) {
+    constexpr bool C = decltype(c)::value;
+    return full ? norm_bwd_ring_kernel<kDt, kRt, true, K, C>
+                : norm_bwd_ring_kernel<kDt, kRt, false, K, C>;
+  });
 }
 
 }  // namespace ssm
