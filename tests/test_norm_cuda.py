@@ -556,35 +556,33 @@ def test_ring_layer_norm_moments(case, dtype, rows, seed):
     forward_on_gpu_and_cpu(case, inputs, **extra)
 
 
-@pytest.mark.parametrize("case", RING_ROWS, ids=case_id)
+# Past 4 TB/s of DRAM the ring backward takes an RMSNorm without a dbias gated, z staged after dy,
+# 4 slices a thread (ring_cluster, norm_cuda.cu): one CTA up to 768 slices, then CTAs of up to 512
+# while eight suffice, then of up to 1024. The gate after the norm from 513 slices (4104 columns:
+# 160 threads, 33 lanes holding 4 slices), at 7176 (two CTAs of 449 and 448 slices), 24592 (seven
+# of 440, the last 434, in 128 threads) and 65536 (eight full ones of 1024, a zero-centred
+# weight); the gate first from 513 slices to 4096: 4104 columns, 6144 (768 slices, every lane of
+# 192 full), 16392 (five CTAs of 410, the last 409) and 32768 (eight full ones of 512). On other
+# devices these rows take the lean backward.
+GATED_RING_BWD_ROWS = (
+    BASE.replace(hidden=4104, z=True, lead=(300,)),
+    BASE.replace(hidden=7176, z=True, lead=(300,)),
+    BASE.replace(hidden=24592, z=True, lead=(250,)),
+    BASE.replace(hidden=65536, z=True, zero_centered_weight=True, lead=(150,)),
+    BASE.replace(hidden=4104, z=True, norm_before_gate=False, lead=(300,)),
+    BASE.replace(hidden=6144, z=True, norm_before_gate=False, lead=(300,)),
+    BASE.replace(hidden=16392, z=True, norm_before_gate=False, lead=(200,)),
+    BASE.replace(hidden=32768, z=True, norm_before_gate=False, zero_centered_weight=True,
+                 lead=(150,)),
+)
+
+
+@pytest.mark.parametrize("case", RING_ROWS + GATED_RING_BWD_ROWS, ids=case_id)
 @half_dtypes
 @weight_dtypes
 def test_ring_rows(case, dtype, weight, seed):
     # The ring backward reads the weight in any dtype: float32, or x's.
     inputs = weighted_inputs(case, dtype, weight, seed)
-    dy, dres = make_norm_cotangents(case, dtype, seed, device="cuda")
-    backward_on_gpu_and_cpu(case, inputs, dy, dres)
-
-
-# Past 4 TB/s of DRAM the ring backward takes an RMSNorm without a dbias gated, z staged after dy
-# in CTAs of up to 1024 slices, 4 a thread (ring_cluster, norm_cuda.cu): the gate after the norm
-# from 513 slices (4104 columns: 160 threads, 33 lanes holding 4 slices), in clusters at 24584
-# (four CTAs of 769 slices, the last 766, in 224 threads) and 65536 (eight full ones, a
-# zero-centred weight); the gate first up to 768 slices, one CTA (513 at 4104 columns, 768 at
-# 6144: every lane of 192 full). On other devices these rows take the lean backward.
-GATED_RING_BWD_ROWS = (
-    BASE.replace(hidden=4104, z=True, lead=(300,)),
-    BASE.replace(hidden=24584, z=True, lead=(250,)),
-    BASE.replace(hidden=65536, z=True, zero_centered_weight=True, lead=(150,)),
-    BASE.replace(hidden=4104, z=True, norm_before_gate=False, lead=(300,)),
-    BASE.replace(hidden=6144, z=True, norm_before_gate=False, lead=(300,)),
-)
-
-
-@pytest.mark.parametrize("case", GATED_RING_BWD_ROWS, ids=case_id)
-@half_dtypes
-def test_gated_ring_backward(case, dtype, seed):
-    inputs = make_norm_inputs(case, dtype, seed, device="cuda")
     dy, dres = make_norm_cotangents(case, dtype, seed, device="cuda")
     backward_on_gpu_and_cpu(case, inputs, dy, dres)
 
@@ -605,8 +603,8 @@ def check_grads_asked(case, inputs, fwd, dy, dres, grads, dresidual_dtype=None):
 
 
 # A bias whose gradient is not asked for leaves the gated rows to the ring backward (no kFull),
-# where the gate after's dz takes the bias (y = (xhat w + b) silu(z)): two CTAs of 513 and 512
-# slices at 8200 columns.
+# where the gate after's dz takes the bias (y = (xhat w + b) silu(z)): three CTAs of 342 slices,
+# the last 341, at 8200 columns.
 @half_dtypes
 def test_gated_ring_backward_without_dbias(dtype, seed):
     case = BASE.replace(hidden=8200, z=True, bias=True, lead=(300,))

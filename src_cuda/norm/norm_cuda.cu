@@ -720,12 +720,14 @@ HeldFwdFetch held_fwd_fetch(const NormArgs& a, LeanDtypes d, int slices, int dev
                             NormPlan& p) {
   HeldFwdFetch f;
   if (Dtype(d.dt) == Dtype::F32 || !fast_dram(device) || p.cluster > 1) return f;
-  const int64_t ahead = ceil_div(kHeldAheadBytes, a.hidden * (slice_bytes(a.x.dtype) / kSlice));
-  if (prenorm_call(a, d) && slices > 2) {
-    f.out_no_l1 = l2_share(a, device, 4) > kHeldFetchTo;
-    f.ahead_rows = f.out_no_l1 ? ahead : 0;
-  } else if (prenorm_call(a, d)) {
+  if (prenorm_call(a, d)) {
     const double l2s = l2_share(a, device, 4);
+    const int64_t ahead = ceil_div(kHeldAheadBytes, a.hidden * (slice_bytes(a.x.dtype) / kSlice));
+    if (slices > 2) {
+      f.out_no_l1 = l2s > kHeldFetchTo;
+      f.ahead_rows = f.out_no_l1 ? ahead : 0;
+      return f;
+    }
     const int nslices = slices_of(a);
     const bool idle =
         nslices > kHeldWideSlices && ceil_div(nslices, slices) <= kHeldBusyFetch * p.threads;
@@ -952,11 +954,14 @@ ssm_status norm_fwd_cuda(const NormArgs& a, int device, void* stream) {
 // The CTAs of the ring backward's cluster (norm_plan.h) for rows of nslices slices of a stream
 // (x) of dtype rt, when it can take them, or 0: it copies with the bulk-copy engine, sm_90 code
 // like the clusters'. `full`: a LayerNorm or a dbias wanted (the kernel's kFull); `gate`: z staged
-// too; `stream`: the stream's gradients wanted.
+// too; `stream`: the stream's gradients wanted. kFull past one CTA's slices and a gate past
+// kRingGateOneCtaSlices take CTAs of kRingFullCtaSlices, or twice that, ..., the fewest slices a
+// CTA that kMaxCluster CTAs hold.
 int ring_ctas(int nslices, Dtype rt, bool full, bool gate, bool stream, const NormArgs& a,
               int device) {
   int most = ring_max_slices(rt, gate, stream);
-  if (full && rt != Dtype::F32 && nslices > most) {
+  const bool gate_split = gate && nslices > kRingGateOneCtaSlices;
+  if (rt != Dtype::F32 && ((full && nslices > most) || gate_split)) {
     for (int m = kRingFullCtaSlices; m < most; m *= 2) {
       if (ceil_div(nslices, m) <= kMaxCluster) {
         most = m;

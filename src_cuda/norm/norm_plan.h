@@ -482,22 +482,28 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
 //   with a bias 88 / 77, 89 / 80, 89 / 84, 88 / 85, 83 / 74, 85 / 81, 80 / 75. While one CTA
 //   waits on its cluster's sums, the others of its SM work. The RMSNorm without a bias (one sum
 //   a row) lost with them (87 / 92 at 20480, 87 / 90 at 24576), so it keeps the larger CTAs.
-// - past kFastDram, an RMSNorm without a dbias gated (z staged after dy, CTAs of up to 1024
-//   slices), the gate after the norm from kRingAloneMinSlices and the gate first up to
-//   kRingGateFirstMaxSlices, and beside a stream of x's dtype (2 slices a thread, dresidual_out
-//   fetched into L2 as beside a float32 one) up to kRingStream16MaxSlices, against the lean CTA
-//   and clusters (one H200, bf16, bench, 2^27 elements, % of copy): the gate after 64 / 97 at
-//   5120 columns, 80 / 92 at 8192, 73 / 81 at 16384, 60 / 64 at 49152; the gate first 73 / 87 at
-//   4608, 78 / 89-90 at 5120, 86 / 92 at 6144, but 90 / 74 at 7168, 87-88 / 77 at 8192, 83 / 72
-//   at 16384 and 78 / 63 at 49152; the prenorm RMSNorm 78 / 81 at 4608, 83 / 85 at 5120, 89 / 92
-//   at 6144, 95 / 95 at 7168, 96 / 97 at 8192, but 86 / 57 at 10240 and 83 / 57 at 49152 (two
-//   slices a thread: clusters of two CTAs and more). The H100 and the LayerNorm keep the lean
-//   kernels: not measured.
+// - past kFastDram, an RMSNorm without a dbias gated (z staged after dy), the gate after the norm
+//   from kRingAloneMinSlices and the gate first up to kRingGateFirstMaxSlices (32768 columns), one
+//   CTA up to kRingGateOneCtaSlices, past that CTAs of 512 slices while eight suffice (as kFull's),
+//   then of 1024; and beside a stream of x's dtype (2 slices a thread, dresidual_out fetched into
+//   L2 as beside a float32 one) up to kRingStream16MaxSlices. One H200, bf16, bench, 2^27
+//   elements, % of copy, the lean CTA or clusters / the ring with CTAs of up to 1024 slices / of
+//   512 past 768: the gate after 64 / 97 / 96 at 5120 columns, 93 / 93 at 6144, 88 / 95 at 7168,
+//   80 / 92 / 91 at 8192, 73 / 80 / 90 at 16384, 71 / 89 at 24576, 71 / 88 at 32768, 60 / 64-66
+//   at 49152 (six CTAs of 1024 either way); the gate first 73 / 87 at 4608, 78 / 90 at 5120, 86 /
+//   92 at 6144, 90 / 75 / 90 at 7168, 87-88 / 79 / 90 at 8192, 83 / 72 / 85 at 16384, 84 / 85 at
+//   24576, 85 / 84 at 32768, but 82 / 64 at 40960 and 78 / 62 at 49152 (five and six CTAs of 1024:
+//   one an SM), which keep the lean clusters. Splitting below 769 slices changed nothing (the gate
+//   after 97 / 96 at 5120); CTAs of 256 lost (80 at 8192). The prenorm RMSNorm beside its stream
+//   78 / 81 at 4608, 83 / 85 at 5120, 89 / 92 at 6144, 95 / 95 at 7168, 96 / 97 at 8192, but 86 /
+//   57 at 10240 and 83 / 57 at 49152 (two CTAs and more). The H100 and the LayerNorm keep the
+//   lean kernels: not measured.
 // p.row_blocks: the plan's (ring_bwd_plan, norm_cuda.cu), which the workspace covers; the
 // launcher lowers it to the CTAs (clusters) that run at once.
 constexpr int kRingSlices = 4, kRingStages = 3, kRingCtasPerSm = 4, kRingFullCtaSlices = 512;
 constexpr int kRingMinSlices = 2 * kNormMaxThreads + 1, kRingAloneMinSlices = 513;
-constexpr int kRingGateFirstMaxSlices = 768, kRingStream16MaxSlices = 1024;
+constexpr int kRingGateFirstMaxSlices = 4096, kRingGateOneCtaSlices = 768;
+constexpr int kRingStream16MaxSlices = 1024;
 template <int kDt, int kRt>
 cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaStream_t stream);
 
@@ -595,9 +601,8 @@ constexpr int ring_bwd_slices(Dtype r, bool stream) { return stream ? 2 : ring_s
 constexpr int ring_max_slices(Dtype r, bool gate = false, bool stream = false) {
   return (gate ? 2 : ring_bwd_slices(r, stream)) * kNormMaxThreads;
 }
-static_assert(kRingStream16MaxSlices <= ring_max_slices(Dtype::BF16, false, true) &&
-                  kRingGateFirstMaxSlices <= ring_max_slices(Dtype::BF16, true),
-              "beside a stream of x's dtype and with the gate first, one CTA a row");
+static_assert(kRingStream16MaxSlices <= ring_max_slices(Dtype::BF16, false, true),
+              "beside a stream of x's dtype, one CTA a row");
 __host__ __device__ constexpr unsigned ring_gated_second(unsigned dy_bytes) {
   return 2 * dy_bytes + 112u;
 }

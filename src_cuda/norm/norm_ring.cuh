@@ -605,17 +605,18 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
   };
   if constexpr (kDt == kRt) {
     // An RMSNorm without a dbias beside a stream of x's dtype (2 slices a thread,
-    // ring_bwd_slices) or gated (ring_cluster, norm_cuda.cu). Beside the stream and with the gate
-    // first one CTA takes a row (norm_plan.h); the gate after takes clusters too.
+    // ring_bwd_slices; one CTA a row, norm_plan.h) or gated (ring_cluster, norm_cuda.cu).
     if (a.dresidual_out.present() || a.dresidual.present())
       return launch_rows<false>(norm_bwd_ring_kernel<kDt, kRt, false, 2, false, kNoGate, true>, a,
                                 p, sms, stream, smem);
-    if (a.z.present() && !a.norm_before_gate)
-      return launch_rows<false>(norm_bwd_ring_kernel<kDt, kRt, false, K, false, kGateFirst>, a, p,
-                                sms, stream, smem);
-    if (a.z.present()) {
+    if (a.z.present() && a.norm_before_gate) {
       return run([](auto c) {
         return norm_bwd_ring_kernel<kDt, kRt, false, K, decltype(c)::value, kGateAfter>;
+      });
+    }
+    if (a.z.present()) {
+      return run([](auto c) {
+        return norm_bwd_ring_kernel<kDt, kRt, false, K, decltype(c)::value, kGateFirst>;
       });
     }
   }
