@@ -110,13 +110,16 @@ NORM_CASES = [
     (33, 520, 0, "layer", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     # Past 4 TB/s of DRAM the ring kernels of an RMSNorm without a bias: gated (the forward and
     # the backward in one CTA of 641 slices; the backward's gate after in a cluster of seven CTAs
-    # at 24584, the gate first in one CTA of 768 slices and in a cluster of five at 16392), the
+    # at 24584, the gate first in one CTA of 768 slices and in a cluster of five at 16392, both in
+    # two-stage clusters of six CTAs of 854 slices at 40968), the
     # backward beside a stream of x's dtype (one CTA of 576 slices in 288 threads) and the norm
     # alone's forward past 4096 slices (36872 columns).
     (400, 5128, 0, "rms", torch.bfloat16, torch.float32, True, True, 0, None),
     (60, 24584, 0, "rms", torch.float16, torch.float16, True, True, 0, None),
     (300, 6144, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
     (40, 16392, 0, "rms", torch.bfloat16, torch.bfloat16, True, False, 0, None),
+    (9, 40968, 0, "rms", torch.bfloat16, torch.float32, True, False, 0, None),
+    (7, 40968, 0, "rms", torch.float16, torch.float16, True, True, 0, None),
     (300, 4608, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, torch.bfloat16),
     (40, 36872, 0, "rms", torch.bfloat16, torch.float32, False, True, 0, None),
     # The lean forward at two and four slices a lane: the norm alone at 49 slices on an odd row

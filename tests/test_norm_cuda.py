@@ -558,22 +558,25 @@ def test_ring_layer_norm_moments(case, dtype, rows, seed):
 
 # Past 4 TB/s of DRAM the ring backward takes an RMSNorm without a dbias gated, z staged after dy,
 # 4 slices a thread (ring_cluster, norm_cuda.cu): one CTA up to 768 slices, then CTAs of up to 512
-# while eight suffice, then of up to 1024. The gate after the norm from 513 slices (4104 columns:
-# 160 threads, 33 lanes holding 4 slices), at 7176 (two CTAs of 449 and 448 slices), 24592 (seven
-# of 440, the last 434, in 128 threads) and 65536 (eight full ones of 1024, a zero-centred
-# weight); the gate first from 513 slices to 4096: 4104 columns, 6144 (768 slices, every lane of
-# 192 full), 16392 (five CTAs of 410, the last 409) and 32768 (eight full ones of 512). On other
-# devices these rows take the lean backward.
+# while eight suffice, then of up to 1024 in two stages. The gate after the norm from 513 slices
+# (4104 columns: 160 threads, 33 lanes holding 4 slices), at 7176 (two CTAs of 449 and 448
+# slices), 24592 (seven of 440, the last 434, in 128 threads), 40968 (six of 854 in two stages,
+# the last 851) and 65536 (eight full ones of 1024, a zero-centred weight); the gate first from
+# 513 slices: 4104 columns, 6144 (768 slices, every lane of 192 full), 16392 (five CTAs of 410,
+# the last 409), 32768 (eight full ones of 512) and 49160 (seven of 878 in two stages, the last
+# 877). On other devices these rows take the lean backward.
 GATED_RING_BWD_ROWS = (
     BASE.replace(hidden=4104, z=True, lead=(300,)),
     BASE.replace(hidden=7176, z=True, lead=(300,)),
     BASE.replace(hidden=24592, z=True, lead=(250,)),
+    BASE.replace(hidden=40968, z=True, lead=(120,)),
     BASE.replace(hidden=65536, z=True, zero_centered_weight=True, lead=(150,)),
     BASE.replace(hidden=4104, z=True, norm_before_gate=False, lead=(300,)),
     BASE.replace(hidden=6144, z=True, norm_before_gate=False, lead=(300,)),
     BASE.replace(hidden=16392, z=True, norm_before_gate=False, lead=(200,)),
     BASE.replace(hidden=32768, z=True, norm_before_gate=False, zero_centered_weight=True,
                  lead=(150,)),
+    BASE.replace(hidden=49160, z=True, norm_before_gate=False, lead=(100,)),
 )
 
 

@@ -982,8 +982,8 @@ int ring_ctas(int nslices, Dtype rt, bool full, bool gate, bool stream, const No
 
 // The ring backward's cluster for a call, or 0 where it does not take it: 16-bit rows without a
 // residual stream's gradients, or beside a float32 stream; past kFastDram, where they were
-// measured (norm_plan.h), an RMSNorm without a dbias gated (the gate first up to
-// kRingGateFirstMaxSlices) or beside a stream of x's dtype up to kRingStream16MaxSlices.
+// measured (norm_plan.h), an RMSNorm without a dbias gated or beside a stream of x's dtype up to
+// kRingStream16MaxSlices.
 int ring_cluster(const NormArgs& a, LeanDtypes d, int device) {
   const Dtype rt = Dtype(d.rt);
   const int nslices = slices_of(a);
@@ -992,8 +992,7 @@ int ring_cluster(const NormArgs& a, LeanDtypes d, int device) {
   const bool residual = a.dresidual_out.present() || a.dresidual.present();
   const bool measured = !full && fast_dram(device);
   const bool stream16 = measured && !f32_stream && nslices <= kRingStream16MaxSlices;
-  const bool gate = !a.z.present() ||
-                    (measured && (a.norm_before_gate || nslices <= kRingGateFirstMaxSlices));
+  const bool gate = !a.z.present() || measured;
   const bool takes = d.ok && Dtype(d.dt) != Dtype::F32 && a.rows > 0 && gate &&
                      (!residual || f32_stream || (stream16 && !a.z.present()));
   return takes ? ring_ctas(nslices, rt, full, a.z.present(), residual, a, device) : 0;

@@ -72,14 +72,13 @@ __device__ __forceinline__ int2 ring_regions(const uint4* ring, const void* firs
 // of x's dtype: z is staged after dy. kGateAfter, y = norm(x) silu(z): dz stored by the first
 // pass (it needs no sums), and the gated dy silu(z) written in float32 over the slice's dy and z
 // for the second. kGateFirst, y = norm(x silu(z)): both passes take silu(z) from the stage's z,
-// the second dx = dg silu(z) and dz = dg x silu'(z).
+// the second dx = dg silu(z) and dz = dg x silu'(z). S: the ring's stages (ring_stages).
 template <int kDt, int kRt, bool kFull, int K, bool kCluster, int kGate = kNoGate,
-          bool kStream = kRt != kDt>
+          bool kStream = kRt != kDt, int S = kRingStages>
 __global__ void __launch_bounds__(kNormMaxThreads, 1) norm_bwd_ring_kernel(const NormArgs a,
                                                                            const NormPlan p) {
   using namespace norm_detail;
   constexpr Dtype D = Dtype(kDt), R = Dtype(kRt);
-  constexpr int S = kRingStages;
   constexpr int M = kFull ? 2 : 1;
   // kStream: beside a stream (float32, or x's dtype), with its gradients; else the norm alone.
   static_assert(D != Dtype::F32 && (R == D || R == Dtype::F32) && (kStream || R == D),
@@ -609,6 +608,16 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
     if (a.dresidual_out.present() || a.dresidual.present())
       return launch_rows<false>(norm_bwd_ring_kernel<kDt, kRt, false, 2, false, kNoGate, true>, a,
                                 p, sms, stream, smem);
+    // A gated CTA of more slices than kRingGateOneCtaSlices is one of a cluster's (ring_ctas,
+    // norm_cuda.cu), with kRingGateWideStages stages.
+    if (a.z.present() && ring_stages(p.cta_slices, true) == kRingGateWideStages) {
+      constexpr int W = kRingGateWideStages;
+      return launch_rows<true>(
+          a.norm_before_gate
+              ? norm_bwd_ring_kernel<kDt, kRt, false, K, true, kGateAfter, false, W>
+              : norm_bwd_ring_kernel<kDt, kRt, false, K, true, kGateFirst, false, W>,
+          a, p, sms, stream, smem);
+    }
     if (a.z.present() && a.norm_before_gate) {
       return run([](auto c) {
         return norm_bwd_ring_kernel<kDt, kRt, false, K, decltype(c)::value, kGateAfter>;
