@@ -484,22 +484,23 @@ cudaError_t launch_norm_fwd_plain(const NormArgs& a, NormPlan& p, int slices, in
 //   a row) lost with them (87 / 92 at 20480, 87 / 90 at 24576), so it keeps the larger CTAs.
 // - past kFastDram, an RMSNorm without a dbias gated (z staged after dy) from kRingAloneMinSlices,
 //   one CTA up to kRingGateOneCtaSlices, past that CTAs of 512 slices while eight suffice (as
-//   kFull's), then of 1024 in kRingGateWideStages stages (ring_stages); and beside a stream of x's dtype (2 slices a thread, dresidual_out fetched into
-//   L2 as beside a float32 one) up to kRingStream16MaxSlices. One H200, bf16, bench, 2^27
-//   elements, % of copy, the lean CTA or clusters / the ring with CTAs of up to 1024 slices / of
-//   512 past 768: the gate after 64 / 97 / 96 at 5120 columns, 93 / 93 at 6144, 88 / 95 at 7168,
-//   80 / 92 / 91 at 8192, 73 / 80 / 90 at 16384, 71 / 89 at 24576, 71 / 88 at 32768, 60 / 64-66
-//   at 49152 (six CTAs of 1024 either way); the gate first 73 / 87 at 4608, 78 / 90 at 5120, 86 /
-//   92 at 6144, 90 / 75 / 90 at 7168, 87-88 / 79 / 90 at 8192, 83 / 72 / 85 at 16384, 84 / 85 at
-//   24576, 85 / 84 at 32768, but 82 / 64 at 40960 and 78 / 62 at 49152 (five and six CTAs of 1024,
-//   three stages: one an SM). In two stages (two an SM; libssm alone, two runs) the gate after
-//   66 / 92 at 40960, 66 / 91 at 49152, 70 / 91 at 65536, the gate first (against the lean
-//   clusters) 82 / 87, 78 / 88, 85 / 88; CTAs of 512 in two stages changed nothing (the gate
-//   after 91 / 92 at 8192 and 91 / 89 at 16384, the gate first 91 / 90 and 86 / 88). Splitting below 769 slices changed nothing (the gate
-//   after 97 / 96 at 5120); CTAs of 256 lost (80 at 8192). The prenorm RMSNorm beside its stream
-//   78 / 81 at 4608, 83 / 85 at 5120, 89 / 92 at 6144, 95 / 95 at 7168, 96 / 97 at 8192, but 86 /
-//   57 at 10240 and 83 / 57 at 49152 (two CTAs and more). The H100 and the LayerNorm keep the
-//   lean kernels: not measured.
+//   kFull's), then of 1024 in kRingGateWideStages stages (ring_stages); and beside a stream of x's
+//   dtype (2 slices a thread, dresidual_out fetched into L2 as beside a float32 one) up to
+//   kRingStream16MaxSlices. One H200, bf16, bench, 2^27 elements, % of copy, the lean CTA or
+//   clusters / the ring with CTAs of up to 1024 slices / of 512 past 768: the gate after 64 / 97 /
+//   96 at 5120 columns, 93 / 93 at 6144, 88 / 95 at 7168, 80 / 92 / 91 at 8192, 73 / 80 / 90 at
+//   16384, 71 / 89 at 24576, 71 / 88 at 32768, 60 / 64-66 at 49152 (six CTAs of 1024 either way);
+//   the gate first 73 / 87 at 4608, 78 / 90 at 5120, 86 / 92 at 6144, 90 / 75 / 90 at 7168, 87-88 /
+//   79 / 90 at 8192, 83 / 72 / 85 at 16384, 84 / 85 at 24576, 85 / 84 at 32768, but 82 / 64 at
+//   40960 and 78 / 62 at 49152 (five and six CTAs of 1024, three stages: one an SM). In two stages
+//   (two an SM; libssm alone, two runs) the gate after 66 / 92 at 40960, 66 / 91 at 49152, 70 / 91
+//   at 65536, the gate first (against the lean clusters) 82 / 87, 78 / 88, 85 / 88; CTAs of 512 in
+//   two stages changed nothing (the gate after 91 / 92 at 8192 and 91 / 89 at 16384, the gate first
+//   91 / 90 and 86 / 88). Splitting below 769 slices changed nothing (the gate after 97 / 96 at
+//   5120); CTAs of 256 lost (80 at 8192). The prenorm RMSNorm beside its stream 78 / 81 at 4608, 83
+//   / 85 at 5120, 89 / 92 at 6144, 95 / 95 at 7168, 96 / 97 at 8192, but 86 / 57 at 10240 and 83 /
+//   57 at 49152 (two CTAs and more). The H100 and the LayerNorm keep the lean kernels: not
+//   measured.
 // p.row_blocks: the plan's (ring_bwd_plan, norm_cuda.cu), which the workspace covers; the
 // launcher lowers it to the CTAs (clusters) that run at once.
 constexpr int kRingSlices = 4, kRingStages = 3, kRingCtasPerSm = 4, kRingFullCtaSlices = 512;
@@ -616,8 +617,9 @@ constexpr int ring_stages(int cta_slices, bool gate) {
 }
 inline size_t ring_bytes(const NormPlan& p, Dtype r, bool gate) {
   const unsigned dy = unsigned(p.cta_slices) * 16u;
-  return ring_stages(p.cta_slices, gate) * ring_stage_bytes(unsigned(p.cta_slices) * slice_bytes(r),
-                                        gate ? ring_gated_second(dy) : dy);
+  return ring_stages(p.cta_slices, gate) *
+         ring_stage_bytes(unsigned(p.cta_slices) * slice_bytes(r),
+                          gate ? ring_gated_second(dy) : dy);
 }
 
 // The ring forward's dynamic shared memory: the stages of p.cta_slices slices of x and of the
