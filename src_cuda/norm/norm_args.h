@@ -34,6 +34,9 @@ struct NormArgs {
   // Backward outputs, each optional.
   TensorRef dx, dresidual, dz;  // (rows, hidden)
   TensorRef dweight, dbias;     // (hidden,)
+
+  // The backward takes the residual stream's gradients (dresidual_out in, or dresidual out).
+  bool stream_grads() const { return dresidual_out.present() || dresidual.present(); }
 };
 
 // CPU reference (norm_cpu.cpp): float64 reductions, deterministic.

@@ -989,7 +989,7 @@ int ring_cluster(const NormArgs& a, LeanDtypes d, int device) {
   const int nslices = slices_of(a);
   const bool full = a.layer_norm || a.dbias.present();
   const bool f32_stream = rt == Dtype::F32 && d.dt != d.rt;
-  const bool residual = a.dresidual_out.present() || a.dresidual.present();
+  const bool residual = a.stream_grads();
   const bool measured = !full && fast_dram(device);
   const bool stream16 = measured && !f32_stream && nslices <= kRingStream16MaxSlices;
   const bool gate = !a.z.present() || measured;
@@ -1031,18 +1031,20 @@ size_t norm_bwd_cuda_workspace(const NormArgs& a, int device) {
   // Nor whether x, the stream s, float32 here, comes beside 16-bit dy (the one-slice plan).
   if (bwd_one_slice(Dtype::BF16, a.x.dtype, nslices, cluster))
     bytes = std::max(bytes, BwdSetup(a, device, cluster, true).workspace);
-  // Nor whether a dbias is wanted, or a gate, which shape the ring's clusters.
+  // Nor whether a dbias or the stream's gradients are wanted, or a gate, which shape the ring's
+  // clusters. The ring takes a gate only on an RMSNorm alone without a dbias (ring_cluster).
+  auto ring_partial = [&](bool full, bool gate, bool stream) -> size_t {
+    const int ring = ring_ctas(nslices, a.x.dtype, full, gate, stream, a, device);
+    if (ring == 0) return 0;
+    const NormPlan p =
+        ring_bwd_plan(a, a.x.dtype, stream, ring, std::max(1, multiprocessor_count(device)));
+    return partial_bytes(p.row_blocks, a.hidden);
+  };
   for (const bool full : {a.layer_norm, true}) {
-    for (const bool gate : {false, true}) {
-      for (const bool stream : {false, true}) {
-        const int ring = ring_ctas(nslices, a.x.dtype, full, gate, stream, a, device);
-        if (ring == 0) continue;
-        const NormPlan p = ring_bwd_plan(a, a.x.dtype, stream, ring,
-                                         std::max(1, multiprocessor_count(device)));
-        bytes = std::max(bytes, partial_bytes(p.row_blocks, a.hidden));
-      }
-    }
+    for (const bool stream : {false, true})
+      bytes = std::max(bytes, ring_partial(full, false, stream));
   }
+  if (!a.layer_norm) bytes = std::max(bytes, ring_partial(false, true, false));
   return bytes;
 }
 
@@ -1069,8 +1071,7 @@ ssm_status norm_bwd_cuda(const NormArgs& a, int device, void* workspace, void* s
     if (setup.fused && sums) p.partial = partial;
   };
   if (ring) {
-    p = ring_bwd_plan(a, Dtype(lean.rt), a.dresidual_out.present() || a.dresidual.present(),
-                      ring_ctas, sms);
+    p = ring_bwd_plan(a, Dtype(lean.rt), a.stream_grads(), ring_ctas, sms);
     setup.fused = true;
   }
   prepare();

@@ -605,7 +605,7 @@ cudaError_t launch_norm_bwd_ring(const NormArgs& a, NormPlan& p, int sms, cudaSt
   if constexpr (kDt == kRt) {
     // An RMSNorm without a dbias beside a stream of x's dtype (2 slices a thread,
     // ring_bwd_slices; one CTA a row, norm_plan.h) or gated (ring_cluster, norm_cuda.cu).
-    if (a.dresidual_out.present() || a.dresidual.present())
+    if (a.stream_grads())
       return launch_rows<false>(norm_bwd_ring_kernel<kDt, kRt, false, 2, false, kNoGate, true>, a,
                                 p, sms, stream, smem);
     // A gated CTA of more slices than kRingGateOneCtaSlices is one of a cluster's (ring_ctas,
